@@ -1,0 +1,54 @@
+/* Common record header of every ccld BPF program, and the loss counter.
+ *
+ * Every record a ccld program puts in its ring buffer starts with struct ccld_hdr. User space
+ * dispatches on `kind`, checks `version` and `size`, and counts (never crashes on) short or
+ * unknown records. The Python mirror is ccld/bpf/records.py; a unit test asserts the sizes.
+ * Clock: ts_ns is bpf_ktime_get_ns(), i.e. CLOCK_MONOTONIC of this node.
+ */
+#ifndef CCLD_COMMON_H
+#define CCLD_COMMON_H
+
+#define CCLD_REC_VERSION 1
+
+#ifndef CCLD_RINGBUF_PAGES
+#define CCLD_RINGBUF_PAGES 64 /* 256 KiB: ~2,500 records; drained every 50 ms, so ~50k records/s of headroom */
+#endif
+
+struct ccld_hdr {
+    u16 kind;
+    u16 version;
+    u32 size;   /* whole record, header included, in bytes */
+    u64 ts_ns;  /* CLOCK_MONOTONIC */
+    u32 tgid;
+    u32 tid;
+};
+_Static_assert(sizeof(struct ccld_hdr) == 24, "ccld_hdr is 24 bytes (mirror: records.Header)");
+
+/* Maps are not declared here: bcc rewrites map calls only in the main source file, so each
+ * family's .bpf.c declares `events` (BPF_RINGBUF_OUTPUT), `lost` (BPF_PERCPU_ARRAY of one u64)
+ * and `static void ccld_count_lost(void)`, which the macro below calls. */
+
+static __always_inline void ccld_fill_hdr(struct ccld_hdr *h, u16 kind, u32 size)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    h->kind = kind;
+    h->version = CCLD_REC_VERSION;
+    h->size = size;
+    h->ts_ns = bpf_ktime_get_ns();
+    h->tgid = id >> 32;
+    h->tid = (u32)id;
+}
+
+/* Reserve a record into `r` (a typed pointer) with kind K, or count the loss and `return 0`.
+ * bcc refuses map calls inside macros and a non-inlined helper breaks the verifier's constant-size
+ * rule, so each probe writes `r = events.ringbuf_reserve(sizeof(*r)); CCLD_FILL_OR_LOST(r, K);`. */
+#define CCLD_FILL_OR_LOST(r, K)                                         \
+    do {                                                                \
+        if (!(r)) {                                                     \
+            ccld_count_lost();                                          \
+            return 0;                                                   \
+        }                                                               \
+        ccld_fill_hdr(&(r)->hdr, (K), sizeof(*(r)));                    \
+    } while (0)
+
+#endif

@@ -1,0 +1,322 @@
+"""The wire schema between agents and the collector: one frozen class per event kind.
+
+A frame is one MessagePack map (an *envelope*) holding a batch of events:
+
+    {"v": [MAJOR, MINOR], "agent": str, "node": str, "batch": int, "events": [{"k": KIND, ...}, ...]}
+
+Any MessagePack reader can decode a frame; every event is a plain map whose "k" names its kind.
+Times: every `ts_ns` is CLOCK_MONOTONIC nanoseconds of the node that made the event (BPF's
+bpf_ktime_get_ns and Python's time.monotonic_ns share that clock). Nothing here converts clocks:
+the collector does that in one place (`collector.clock`), from the agent's `clock` samples.
+
+Compatibility: a frame with a newer MAJOR is rejected with a clear error; a newer MINOR is read,
+unknown fields are ignored, and events of an unknown kind are skipped and counted.
+Field names follow PyTorch's vocabulary (process group, seq, group size, count, dtype) so traces
+join with Flight Recorder and Kineto.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
+
+import msgpack
+
+from ccld.errors import CcldError
+
+SCHEMA_MAJOR = 1
+SCHEMA_MINOR = 0
+MAX_FRAME_BYTES = 16 * 1024 * 1024  # a frame is a batch of <= a few thousand events; 16 MiB is far above any real one
+
+
+class FrameError(CcldError):
+    """A frame that cannot be read. `reason` is a short stable tag used to count rejections."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Event:
+    KIND: ClassVar[str] = ""
+
+    def to_wire(self) -> Dict[str, Any]:
+        d = {"k": self.KIND}
+        d.update(dataclasses.asdict(self))
+        return d
+
+
+@dataclass(frozen=True)
+class AgentHello(Event):
+    """First event of every agent connection: who is sending and which sources are active."""
+    KIND: ClassVar[str] = "hello"
+    agent: str
+    node: str
+    pid: int
+    version: str
+    sources: List[str]
+    ts_ns: int
+
+
+@dataclass(frozen=True)
+class ClockSample(Event):
+    """A (monotonic, wall) pair read back to back on the agent's node: the basis of clock conversion."""
+    KIND: ClassVar[str] = "clock"
+    mono_ns: int
+    wall_ns: int
+    ts_ns: int = 0
+
+
+@dataclass(frozen=True)
+class RankInfo(Event):
+    """A training process was found (announced again whenever it is re-discovered)."""
+    KIND: ClassVar[str] = "rank"
+    pid: int
+    rank: int
+    world_size: int
+    local_rank: int
+    node: str
+    job: str
+    ts_ns: int
+    master_addr: str = ""
+    master_port: int = 0
+    cmdline: str = ""
+    libs: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankExit(Event):
+    KIND: ClassVar[str] = "rank_exit"
+    pid: int
+    rank: int
+    ts_ns: int
+    reason: str = "exited"
+
+
+@dataclass(frozen=True)
+class RankState(Event):
+    """What a rank's process is doing, from /proc: state letter (R/S/D/T/t/Z), kernel wait channel, CPU time."""
+    KIND: ClassVar[str] = "proc"
+    pid: int
+    rank: int
+    ts_ns: int
+    state: str
+    wchan: str = ""
+    cpu_ns: int = 0
+
+
+@dataclass(frozen=True)
+class CommInit(Event):
+    """A communicator (process group) was created in a rank. `comm` is its cross-rank identity."""
+    KIND: ClassVar[str] = "comm"
+    pid: int
+    rank: int
+    ts_ns: int
+    backend: str
+    comm: str
+    group_rank: int
+    group_size: int
+    handle: int = 0
+
+
+@dataclass(frozen=True)
+class CollEnter(Event):
+    """A rank called collective `seq` of communicator `comm` (the Python thread reached the library)."""
+    KIND: ClassVar[str] = "coll"
+    pid: int
+    rank: int
+    ts_ns: int
+    backend: str
+    comm: str
+    seq: int
+    op: str
+    tid: int = 0
+    count: int = -1
+    dtype: str = ""
+    root: int = -1
+    nbytes: int = -1
+
+
+@dataclass(frozen=True)
+class WorkStart(Event):
+    """The library began running collective (comm, seq) in this rank (gloo worker thread / NCCL kernel)."""
+    KIND: ClassVar[str] = "start"
+    pid: int
+    rank: int
+    ts_ns: int
+    comm: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class WorkEnd(Event):
+    """Collective (comm, seq) finished in this rank; ok=False when the library reported an error."""
+    KIND: ClassVar[str] = "end"
+    pid: int
+    rank: int
+    ts_ns: int
+    comm: str
+    seq: int
+    ok: bool = True
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class P2P(Event):
+    """A point-to-point call (send/recv) of a rank to `peer` (a group rank)."""
+    KIND: ClassVar[str] = "p2p"
+    pid: int
+    rank: int
+    ts_ns: int
+    backend: str
+    comm: str
+    op: str
+    peer: int
+    tag: int = 0
+    count: int = -1
+    dtype: str = ""
+
+
+@dataclass(frozen=True)
+class ProbeStatus(Event):
+    """The outcome of attaching (or detaching) one probe family to one process."""
+    KIND: ClassVar[str] = "probe"
+    pid: int
+    family: str
+    ok: bool
+    ts_ns: int
+    target: str = ""
+    attached: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class LossCounters(Event):
+    """Cumulative loss counters of one agent (e.g. ringbuf_lost, queue_dropped, decode_errors)."""
+    KIND: ClassVar[str] = "loss"
+    ts_ns: int
+    counters: Dict[str, int]
+
+
+EVENT_TYPES: Dict[str, Type[Event]] = {
+    cls.KIND: cls
+    for cls in (AgentHello, ClockSample, RankInfo, RankExit, RankState, CommInit,
+                CollEnter, WorkStart, WorkEnd, P2P, ProbeStatus, LossCounters)
+}
+
+_FIELDS: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {}
+
+
+def _fields(cls: Type[Event]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(required fields, optional fields) of an event class, each name -> declared type string."""
+    got = _FIELDS.get(cls.KIND)
+    if got is None:
+        req, opt = {}, {}
+        for f in dataclasses.fields(cls):
+            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            (opt if has_default else req)[f.name] = f.type
+        got = _FIELDS[cls.KIND] = (req, opt)
+    return got
+
+
+_TYPE_CHECKS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+}
+
+
+def _check_type(kind: str, name: str, declared: str, value: Any) -> None:
+    base = declared.split("[")[0]
+    check = _TYPE_CHECKS.get(base)
+    ok = check(value) if check else (isinstance(value, list) if base == "List" else
+                                     isinstance(value, dict) if base == "Dict" else True)
+    if not ok:
+        raise FrameError("bad-field", f"event {kind!r}: field {name!r} should be {declared}, got {type(value).__name__}")
+
+
+def event_from_wire(d: Any) -> Event:
+    """Build one event from its wire map. Raises FrameError (reason 'unknown-kind' for kinds newer than us)."""
+    if not isinstance(d, dict):
+        raise FrameError("bad-event", f"event is a {type(d).__name__}, not a map")
+    kind = d.get("k")
+    cls = EVENT_TYPES.get(kind)
+    if cls is None:
+        raise FrameError("unknown-kind", f"unknown event kind {kind!r}")
+    req, opt = _fields(cls)
+    args = {}
+    for name, declared in req.items():
+        if name not in d:
+            raise FrameError("missing-field", f"event {kind!r}: missing field {name!r}")
+        _check_type(kind, name, declared, d[name])
+        args[name] = d[name]
+    for name, declared in opt.items():
+        if name in d:
+            _check_type(kind, name, declared, d[name])
+            args[name] = d[name]
+    return cls(**args)  # unknown fields are ignored on purpose: a newer minor version may add some
+
+
+@dataclass(frozen=True)
+class Batch:
+    agent: str
+    node: str
+    batch: int
+    version: Tuple[int, int]
+    events: List[Event]
+    skipped: int = 0  # events of kinds this reader does not know (newer minor versions)
+    errors: List[FrameError] = field(default_factory=list)  # bad events dropped; the rest of the frame is kept
+
+
+def encode_batch(agent: str, node: str, batch: int, events: List[Event]) -> bytes:
+    env = {"v": [SCHEMA_MAJOR, SCHEMA_MINOR], "agent": agent, "node": node, "batch": batch,
+           "events": [e.to_wire() for e in events]}
+    return msgpack.packb(env, use_bin_type=True)
+
+
+def decode_batch(frame: bytes) -> Batch:
+    """Decode and validate one frame. Raises FrameError naming what was wrong; never anything else."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise FrameError("bad-frame", f"frame is a {type(frame).__name__}, not bytes")
+    if len(frame) == 0:
+        raise FrameError("empty", "empty frame")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise FrameError("too-large", f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        env = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except msgpack.exceptions.ExtraData:
+        raise FrameError("trailing-bytes", "frame has bytes after its MessagePack map") from None
+    except (ValueError, msgpack.exceptions.UnpackException) as e:
+        reason = "truncated" if "incomplete" in str(e).lower() or isinstance(
+            e, msgpack.exceptions.OutOfData) else "not-msgpack"
+        raise FrameError(reason, f"frame is not valid MessagePack ({reason}): {e}") from None
+    except Exception as e:  # msgpack raises a few other types on hostile input (e.g. TypeError for bad keys)
+        raise FrameError("not-msgpack", f"frame is not valid MessagePack: {type(e).__name__}: {e}") from None
+    if not isinstance(env, dict):
+        raise FrameError("bad-envelope", f"frame is a MessagePack {type(env).__name__}, not a map")
+    v = env.get("v")
+    if (not isinstance(v, (list, tuple)) or len(v) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+        raise FrameError("no-version", f"frame has no valid schema version 'v' (got {v!r})")
+    if v[0] > SCHEMA_MAJOR:
+        raise FrameError("newer-major",
+                         f"frame has schema version {v[0]}.{v[1]}, newer than this collector's "
+                         f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}; upgrade the collector")
+    if v[0] < SCHEMA_MAJOR:
+        raise FrameError("older-major", f"frame has schema version {v[0]}.{v[1]}, no longer supported "
+                                        f"(this collector reads {SCHEMA_MAJOR}.x)")
+    for key, typ in (("agent", str), ("node", str), ("batch", int), ("events", list)):
+        if not isinstance(env.get(key), typ):
+            raise FrameError("bad-envelope", f"frame envelope field {key!r} is missing or not a {typ.__name__}")
+    events, skipped, errors = [], 0, []
+    for i, raw in enumerate(env["events"]):
+        try:
+            events.append(event_from_wire(raw))
+        except FrameError as e:
+            if e.reason == "unknown-kind" and v[1] > SCHEMA_MINOR:
+                skipped += 1  # a newer minor version may add kinds; skip them, count them
+                continue
+            # One bad event must not cost the good ones beside it: drop it, say which and why.
+            errors.append(FrameError(e.reason, f"agent {env['agent']!r} batch {env['batch']} event #{i}: {e}"))
+    return Batch(env["agent"], env["node"], env["batch"], (v[0], v[1]), events, skipped, errors)

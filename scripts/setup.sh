@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs everything ccld and its tests need on a fresh Debian 12 / Ubuntu machine (as root):
+# Debian's bcc and kernel headers, then a virtualenv at .venv with ccld, torch (CPU) and the test tools.
+# Idempotent: a second run only checks. Set CCLD_SKIP_APT=1 to skip the Debian packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+if [[ "${CCLD_SKIP_APT:-0}" != 1 ]]; then
+  pkgs=(python3-bpfcc linux-headers-amd64 bpftool iproute2 iptables procps python3-venv)
+  missing=()
+  for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if ((${#missing[@]})); then
+    if [[ $(id -u) != 0 ]]; then
+      echo "setup: need root to install Debian packages: ${missing[*]} (run with sudo)" >&2; exit 1
+    fi
+    say "installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  say "creating .venv with $($PY --version)"
+  $PY -m venv .venv
+fi
+say "installing ccld, torch==2.13.0 (CPU) and test tools into .venv"
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q torch==2.13.0 -e '.[test]'
+
+# bcc ships as a Debian Python package; link it into the venv instead of exposing all of dist-packages.
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [[ -d /usr/lib/python3/dist-packages/bcc && ! -e "$site/bcc" ]]; then
+  ln -s /usr/lib/python3/dist-packages/bcc "$site/bcc"
+fi
+.venv/bin/python -c 'import bcc' 2>/dev/null && say "bcc importable in .venv" || say "bcc NOT importable (eBPF sources will be off)"
+say "done: .venv/bin/ccld is ready"
