@@ -89,6 +89,20 @@ struct api_entry {
 
 BPF_RINGBUF_OUTPUT(events, CCLD_RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost, u64, 1);  /* records the ring buffer had no room for; slot 0 */
+
+#ifndef CCLD_MAX_PROCS
+#define CCLD_MAX_PROCS 4096
+#endif
+/* The probes are attached once per library, for every process that maps it (pid -1), so adding a
+ * rank costs one map update instead of an attach, and removing one costs no uprobe unregister
+ * (~110 ms each). Processes not in this set return at the first instruction. */
+BPF_HASH(traced, u32, u8, CCLD_MAX_PROCS);
+
+static __always_inline int ccld_untraced(void)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    return traced.lookup(&tgid) == NULL;
+}
 BPF_TABLE("lru_hash", u32, struct api_entry, api_inflight, CCLD_MAX_THREADS);
 
 static __always_inline void ccld_count_lost(void)
@@ -101,6 +115,8 @@ static __always_inline void ccld_count_lost(void)
 
 int pg_init(struct pt_regs *ctx)
 {
+    if (ccld_untraced())
+        return 0;
     struct gloo_pg_init *r = events.ringbuf_reserve(sizeof(*r));
     CCLD_FILL_OR_LOST(r, GLOO_PG_INIT);
     r->pg = PT_REGS_PARM1(ctx);
@@ -112,6 +128,8 @@ int pg_init(struct pt_regs *ctx)
 
 int api_enter(struct pt_regs *ctx)
 {
+    if (ccld_untraced())
+        return 0;
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct api_entry e = {};
     e.pg = PT_REGS_PARM2(ctx);  /* PARM1 is the hidden return slot of intrusive_ptr<Work> */
@@ -122,6 +140,8 @@ int api_enter(struct pt_regs *ctx)
 
 static __always_inline int emit_p2p(struct pt_regs *ctx, s32 op, s32 peer, s32 tag)
 {
+    if (ccld_untraced())
+        return 0;
     struct gloo_p2p *r = events.ringbuf_reserve(sizeof(*r));
     CCLD_FILL_OR_LOST(r, GLOO_P2P);
     r->pg = PT_REGS_PARM2(ctx);
@@ -145,6 +165,8 @@ int p2p_recvany(struct pt_regs *ctx) { return emit_p2p(ctx, 14, -1, (s32)PT_REGS
  *           OpType op, u64 seq, ms timeout, const char* title [stack], const optional<...>& [stack]) */
 int work_init(struct pt_regs *ctx)
 {
+    if (ccld_untraced())
+        return 0;
     u32 tid = (u32)bpf_get_current_pid_tgid();
     struct gloo_work_init *r = events.ringbuf_reserve(sizeof(*r));
     CCLD_FILL_OR_LOST(r, GLOO_WORK_INIT);
@@ -175,6 +197,8 @@ int work_init(struct pt_regs *ctx)
 
 static __always_inline int emit_work(u16 kind, u64 work, s32 ok)
 {
+    if (ccld_untraced())
+        return 0;
     struct gloo_work_ev *r = events.ringbuf_reserve(sizeof(*r));
     CCLD_FILL_OR_LOST(r, kind);
     r->work = work;

@@ -7,6 +7,7 @@ Clock: records carry CLOCK_MONOTONIC ns from the kernel; nothing here re-stamps 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes as ct
 import logging
 import os
@@ -20,6 +21,7 @@ from ccld.errors import EnvironmentProblem
 
 log = logging.getLogger("ccld.bpf")
 BPF_DIR = os.path.dirname(os.path.abspath(__file__))
+DETACH_THREADS = 8  # uprobe perf-event closes in flight at once; parallel closes save ~25 %
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class Probe:
     prefix: str   # mangled-name prefix; every defined function symbol starting with it is probed
     fn: str       # BPF function name in the family's .bpf.c
     required: bool = False
+    exact: bool = False  # the whole symbol name, not a prefix: for C APIs, where "ncclReduce" would also
+                         # hit ncclReduceScatter and ncclReduceConfig
+    ret: bool = False    # a uretprobe; only on functions no C++ exception can unwind through
 
 
 @dataclass
@@ -34,7 +39,9 @@ class Attachment:
     pid: int
     lib: str
     points: List[Tuple[str, int]] = field(default_factory=list)  # (symbol, address)
+    events: List[bytes] = field(default_factory=list)            # bcc's names of our perf events
     missing: List[str] = field(default_factory=list)             # optional prefixes not found
+    ret_points: List[Tuple[str, int]] = field(default_factory=list)  # (symbol, address) of uretprobes
 
 
 def bpf_available() -> Optional[EnvironmentProblem]:
@@ -64,7 +71,8 @@ class Family:
         self.cflags = list(cflags)
         self.bpf = None
         self.bad_records: Dict[str, int] = {}
-        self.attached: Dict[int, Attachment] = {}
+        self.attached: Dict[int, Attachment] = {}   # traced pid -> the attachment of its library
+        self.libs: Dict[str, Attachment] = {}       # library path -> probes attached for all processes
         self._plans: Dict[str, Tuple[List[Tuple[str, int, Probe]], List[str]]] = {}
         self._lock = threading.Lock()
 
@@ -90,7 +98,7 @@ class Family:
         except Exception as e:
             raise EnvironmentProblem(f"could not compile/load {self.SOURCE}: {e}",
                                      "check kernel headers (apt-get install linux-headers-amd64) and that you are root")
-        self.bpf["events"].open_ring_buffer(self._on_raw)
+        self.bpf[b"events"].open_ring_buffer(self._on_raw)
 
     def _on_raw(self, _ctx, data, size) -> int:
         raw = ct.string_at(data, size)
@@ -110,7 +118,7 @@ class Family:
 
     def lost(self) -> int:
         """Records the kernel side could not reserve (ring buffer full), summed over CPUs."""
-        return int(sum(self.bpf["lost"][ct.c_int(0)]))
+        return int(sum(self.bpf[b"lost"][ct.c_int(0)]))
 
     # -- attaching ---------------------------------------------------------------------------
     def find_lib(self, pid: int) -> Optional[str]:
@@ -131,59 +139,96 @@ class Family:
         if lib in self._plans:
             return self._plans[lib]
         from bcc import BPF
+        # One pass over the symbol table for all prefixes: each pass over libtorch_cpu.so costs ~0.8 s.
+        pattern = "^(" + "|".join(re.escape(p.prefix) for p in self.PROBES) + ")"
+        found = BPF.get_user_functions_and_addresses(lib.encode(), pattern)
         points, missing, seen = [], [], set()
         for p in self.PROBES:
-            found = BPF.get_user_functions_and_addresses(lib.encode(), "^" + re.escape(p.prefix) + ".*")
             got = False
             for sym, addr in found:
-                if addr in seen:  # C1/C2 constructor aliases share one address: probe it once
-                    got = True
-                    continue
-                seen.add(addr)
-                points.append((sym.decode() if isinstance(sym, bytes) else sym, addr, p))
+                sym = sym.decode() if isinstance(sym, bytes) else sym
+                if not (sym == p.prefix if p.exact else sym.startswith(p.prefix)) or "." in sym:
+                    continue  # "foo.cold" is a split-off block, not a function entry: never probe it
                 got = True
+                if (addr, p.ret) in seen:  # C1/C2 constructor aliases share one address: probe it once
+                    continue
+                seen.add((addr, p.ret))
+                points.append((sym, addr, p))
             if not got:
                 missing.append(p.prefix)
         self._plans[lib] = (points, missing)
         return self._plans[lib]
 
     def attach(self, pid: int, lib: str) -> Attachment:
-        """Attach every probe of the plan to `pid`, as a unit: if a required one fails, none stay."""
+        """Trace `pid`: make sure the family's probes are on `lib` (once, for every process that maps
+        it, as a unit: if one fails, none stay), then add pid to the program's `traced` set."""
+        with self._lock:
+            att = self.libs.get(lib)
+            if att is None:
+                att = self.libs[lib] = self._attach_lib(lib)
+            try:
+                self.bpf[b"traced"][ct.c_uint32(pid)] = ct.c_uint8(1)
+            except Exception as e:
+                raise EnvironmentProblem(f"{self.NAME}: cannot trace pid {pid}: {e}",
+                                         f"raise CCLD_MAX_PROCS (now tracing {len(self.attached)} processes)")
+            self.attached[pid] = att
+        return att
+
+    def _attach_lib(self, lib: str) -> Attachment:
         points, missing = self._plan(lib)
         need = {p.prefix for p in self.PROBES if p.required}
         lacking = need & set(missing)
         if lacking:
             raise EnvironmentProblem(f"{self.NAME}: {os.path.basename(lib)} lacks {sorted(lacking)}",
                                      "this library version is not supported yet")
-        att = Attachment(pid, lib, missing=[m for m in missing])
-        with self._lock:
-            try:
-                for sym, addr, probe in points:
-                    self.bpf.attach_uprobe(name=lib.encode(), addr=addr, fn_name=probe.fn.encode(), pid=pid)
-                    att.points.append((sym, addr))
-            except Exception as e:
-                self._detach_points(lib, att.points, pid)
-                raise EnvironmentProblem(f"{self.NAME}: attaching to pid {pid} failed after "
-                                         f"{len(att.points)} probes: {e}", "is the process still alive?")
-            self.attached[pid] = att
+        att = Attachment(-1, lib, missing=list(missing))
+        try:
+            for sym, addr, probe in points:
+                before = set(self.bpf.uprobe_fds)  # bcc keeps uprobe and uretprobe fds here
+                attach = self.bpf.attach_uretprobe if probe.ret else self.bpf.attach_uprobe
+                attach(name=lib.encode(), addr=addr, fn_name=probe.fn.encode(), pid=-1)
+                (att.ret_points if probe.ret else att.points).append((sym, addr))
+                att.events.extend(set(self.bpf.uprobe_fds) - before)
+        except Exception as e:
+            self._detach_events(att.events)
+            raise EnvironmentProblem(f"{self.NAME}: attaching to {lib} failed after "
+                                     f"{len(att.points) + len(att.ret_points)} probes: {e}",
+                                     "is the library readable, and are you root?")
         return att
 
-    def _detach_points(self, lib: str, points, pid: int) -> None:
-        for sym, addr in points:
-            try:
-                self.bpf.detach_uprobe(name=lib.encode(), addr=addr, pid=pid)
-            except Exception:
-                pass  # the process may be gone, taking its probe with it
+    def _detach_events(self, names: List[bytes]) -> None:
+        """Close our uprobe perf events (a few threads at once; the kernel serialises most of it).
+
+        Each close unregisters a uprobe (~80-110 ms here), which is why probes are per library, not
+        per process, and only closed when the family closes.
+        bcc's own detach also edits tracefs' uprobe_events, which only tracefs-made probes need and
+        which fails where tracefs is not mounted; ours come from the perf uprobe PMU, so closing the
+        fd removes them."""
+        from bcc import lib as bcclib
+        fds = [(n, self.bpf.uprobe_fds[n]) for n in names if n in self.bpf.uprobe_fds]
+        if not fds:
+            return
+        with concurrent.futures.ThreadPoolExecutor(min(DETACH_THREADS, len(fds))) as pool:
+            list(pool.map(lambda nf: bcclib.bpf_close_perf_event_fd(nf[1]), fds))
+        for name, _ in fds:
+            self.bpf._del_uprobe_fd(name)
 
     def detach(self, pid: int) -> None:
+        """Stop tracing `pid`: one map delete. The library's probes stay for the other ranks."""
         with self._lock:
-            att = self.attached.pop(pid, None)
-            if att:
-                self._detach_points(att.lib, att.points, pid)
+            if self.attached.pop(pid, None) is not None and self.bpf is not None:
+                try:
+                    del self.bpf[b"traced"][ct.c_uint32(pid)]
+                except KeyError:
+                    pass
 
     def close(self) -> None:
-        for pid in list(self.attached):
-            self.detach(pid)
-        if self.bpf is not None:
-            self.bpf.cleanup()
-            self.bpf = None
+        if self.bpf is None:
+            return
+        with self._lock:
+            self.attached.clear()
+            for att in self.libs.values():
+                self._detach_events(att.events)
+            self.libs.clear()
+        self.bpf.cleanup()
+        self.bpf = None

@@ -1,0 +1,246 @@
+"""Loader of nccl.bpf.c: NCCL's host API (libnccl.so), and the translator of its records to wire events.
+
+CommInit when a communicator is created (ncclCommInitRank[Config], ncclCommSplit), CollEnter when a
+rank calls a collective, P2P for ncclSend/ncclRecv. Times stay CLOCK_MONOTONIC ns. Per-process state
+(communicator handle -> name and sequence counter) lives here and is dropped when the process is forgotten.
+
+Communicator names are `<job>/nccl:<identity as 16 hex digits>`. The identity of an init'ed
+communicator is FNV-1a 64 of its ncclUniqueId, which every member rank passes in, so every rank
+names it alike. A split's identity hashes (parent identity, color, index of the split among the
+parent's splits): ncclCommSplit is collective over the parent, so every parent rank counts the same
+splits. NCCL has no sequence number of its own: `seq` counts the collectives called on a communicator
+in this process from 0, which matches across ranks because NCCL requires every rank to call the
+same collectives in the same order.
+
+Caveats: an entry probe sees the call, not the GPU work (NCCL is asynchronous). A communicator
+created before we attached has no known identity: it is named `<job>/nccl:handle-<hex>` (a per-process
+name that cannot match across ranks), its seq starts at our attach, and `unknown_handles` counts it.
+"""
+from __future__ import annotations
+
+import ctypes as ct
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
+
+from ccld import events as ev
+from ccld.bpf.loader import Family, Probe
+from ccld.bpf.records import Header
+
+COLL, P2P_REC, GROUP, COMM_INIT, COMM_END = 1, 2, 3, 4, 5
+
+# enum nccl_fn in nccl.bpf.c
+FN_ALLREDUCE, FN_BROADCAST, FN_REDUCE, FN_ALLGATHER, FN_REDUCESCATTER = 1, 2, 3, 4, 5
+FN_ALLTOALL, FN_GATHER, FN_SCATTER = 6, 7, 8
+FN_SEND, FN_RECV = 20, 21
+FN_GROUP_START, FN_GROUP_END = 30, 31
+FN_INIT_RANK, FN_INIT_RANK_CONFIG, FN_SPLIT = 40, 41, 42
+FN_DESTROY, FN_ABORT = 50, 51
+
+# Collective names in c10d's OpType vocabulary, so they read like gloo's and Flight Recorder's.
+OP_NAMES = {FN_ALLREDUCE: "allreduce", FN_BROADCAST: "broadcast", FN_REDUCE: "reduce",
+            FN_ALLGATHER: "allgather", FN_REDUCESCATTER: "reduce_scatter", FN_ALLTOALL: "alltoall",
+            FN_GATHER: "gather", FN_SCATTER: "scatter", FN_SEND: "send", FN_RECV: "recv"}
+
+# ncclDataType_t (nccl.h) -> (torch dtype name, bytes per element)
+DTYPES = {0: ("int8", 1), 1: ("uint8", 1), 2: ("int32", 4), 3: ("uint32", 4), 4: ("int64", 8),
+          5: ("uint64", 8), 6: ("float16", 2), 7: ("float32", 4), 8: ("float64", 8), 9: ("bfloat16", 2),
+          10: ("float8_e4m3fn", 1), 11: ("float8_e5m2", 1)}
+
+# ncclRedOp_t; values >= 5 are ops made at run time by ncclRedOpCreatePreMulSum
+REDOPS = {0: "sum", 1: "prod", 2: "max", 3: "min", 4: "avg"}
+
+NCCL_SUCCESS, NCCL_IN_PROGRESS = 0, 7   # ncclResult_t; InProgress = a non-blocking init under way
+NCCL_SPLIT_NOCOLOR = -1                 # this rank joins no new communicator
+
+
+class NcclCall(ct.Structure):  # NCCL_COLL and NCCL_P2P
+    _fields_ = [("hdr", Header), ("comm", ct.c_uint64), ("count", ct.c_uint64), ("stream", ct.c_uint64),
+                ("sendbuff", ct.c_uint64), ("recvbuff", ct.c_uint64), ("fn", ct.c_int32),
+                ("datatype", ct.c_int32), ("redop", ct.c_int32), ("root", ct.c_int32)]
+
+
+class NcclGroup(ct.Structure):
+    _fields_ = [("hdr", Header), ("fn", ct.c_int32), ("pad", ct.c_uint32)]
+
+
+class NcclCommInit(ct.Structure):
+    _fields_ = [("hdr", Header), ("comm", ct.c_uint64), ("parent", ct.c_uint64), ("idhash", ct.c_uint64),
+                ("enter_ns", ct.c_uint64), ("fn", ct.c_int32), ("ret", ct.c_int32), ("nranks", ct.c_int32),
+                ("rank", ct.c_int32), ("color", ct.c_int32), ("key", ct.c_int32)]
+
+
+class NcclCommEnd(ct.Structure):
+    _fields_ = [("hdr", Header), ("comm", ct.c_uint64), ("fn", ct.c_int32), ("pad", ct.c_uint32)]
+
+
+def _api(sym: str, fn: str, required: bool = False, ret: bool = False) -> Probe:
+    return Probe(sym, fn, required, exact=True, ret=ret)
+
+
+class NcclFamily(Family):
+    NAME = "nccl"
+    SOURCE = "nccl.bpf.c"
+    LIB_PATTERN = r"/libnccl\.so(\.[0-9.]+)?$"
+    KINDS = {COLL: NcclCall, P2P_REC: NcclCall, GROUP: NcclGroup, COMM_INIT: NcclCommInit, COMM_END: NcclCommEnd}
+    PROBES = (
+        # What every NCCL 2.x a torch of this decade can load has.
+        _api("ncclAllReduce", "coll_allreduce", True),
+        _api("ncclBroadcast", "coll_broadcast", True),
+        _api("ncclReduce", "coll_reduce", True),
+        _api("ncclAllGather", "coll_allgather", True),
+        _api("ncclReduceScatter", "coll_reducescatter", True),
+        _api("ncclSend", "p2p_send", True),
+        _api("ncclRecv", "p2p_recv", True),
+        _api("ncclGroupStart", "group_start", True),
+        _api("ncclGroupEnd", "group_end", True),
+        _api("ncclCommInitRank", "init_rank", True),
+        _api("ncclCommInitRank", "init_ret", True, ret=True),
+        _api("ncclCommDestroy", "comm_destroy", True),
+        _api("ncclCommAbort", "comm_abort", True),
+        # Newer: InitRankConfig 2.14, Split 2.18, AlltoAll/Gather/Scatter and the per-call *Config variants
+        # later (all in 2.32). Each Config variant takes the plain one's arguments plus a trailing config.
+        _api("ncclCommInitRankConfig", "init_rank_config"),
+        _api("ncclCommInitRankConfig", "init_ret", ret=True),
+        _api("ncclCommSplit", "comm_split"),
+        _api("ncclCommSplit", "init_ret", ret=True),
+        _api("ncclAlltoAll", "coll_alltoall"),
+        _api("ncclGather", "coll_gather"),
+        _api("ncclScatter", "coll_scatter"),
+        _api("ncclAllReduceConfig", "coll_allreduce"),
+        _api("ncclBroadcastConfig", "coll_broadcast"),
+        _api("ncclReduceConfig", "coll_reduce"),
+        _api("ncclAllGatherConfig", "coll_allgather"),
+        _api("ncclReduceScatterConfig", "coll_reducescatter"),
+        _api("ncclAlltoAllConfig", "coll_alltoall"),
+        _api("ncclGatherConfig", "coll_gather"),
+        _api("ncclScatterConfig", "coll_scatter"),
+    )
+
+
+FNV64_OFFSET, FNV64_PRIME = 0xCBF29CE484222325, 0x100000001B3
+
+
+def fnv1a64(data: bytes, h: int = FNV64_OFFSET) -> int:
+    """FNV-1a 64, exactly as nccl.bpf.c computes it over the ncclUniqueId."""
+    for b in data:
+        h = ((h ^ b) * FNV64_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def unique_id_identity(unique_id: bytes) -> int:
+    """The cross-rank identity of a communicator made from this 128-byte ncclUniqueId."""
+    return fnv1a64(unique_id)
+
+
+def split_identity(parent: int, color: int, index: int) -> int:
+    """Identity of the communicator that split number `index` of `parent` made for `color`."""
+    return fnv1a64(parent.to_bytes(8, "little") + (color & 0xFFFFFFFF).to_bytes(4, "little")
+                   + (index & 0xFFFFFFFF).to_bytes(4, "little"))
+
+
+@dataclass
+class CommState:
+    name: str
+    identity: Optional[int]  # None when the communicator was made before we attached
+    seq: int = 0             # next collective's sequence number
+    splits: int = 0          # splits of this communicator so far (part of each child's identity)
+
+
+@dataclass
+class ProcState:
+    rank: int
+    job: str
+    comms: Dict[int, CommState] = field(default_factory=dict)  # handle -> state
+
+
+MAX_COMMS_PER_PROC = 4096  # jobs make tens of communicators; this only bounds leaks from missed destroys
+
+
+class NcclTranslator:
+    """Records of one NcclFamily -> wire events, per process. `emit` receives each event."""
+
+    def __init__(self, emit: Callable[[ev.Event], None]):
+        self.emit = emit
+        self.procs: Dict[int, ProcState] = {}
+        # What could not be named or was not worth an event; shipped by the agent as loss/health counters.
+        self.counters: Dict[str, int] = {"unknown_handles": 0, "unknown_parents": 0, "init_failed": 0,
+                                         "groups": 0, "destroyed": 0, "aborted": 0, "unknown_fn": 0}
+
+    def add_process(self, pid: int, rank: int, job: str) -> None:
+        self.procs.setdefault(pid, ProcState(rank, job))
+
+    def forget(self, pid: int) -> None:
+        self.procs.pop(pid, None)
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    def _new_comm(self, pid: int, st: ProcState, handle: int, identity: Optional[int], ts: int,
+                  group_rank: int = -1, group_size: int = -1) -> CommState:
+        if identity is None:
+            name = f"{st.job}/nccl:handle-{handle:x}"
+        else:
+            name = f"{st.job}/nccl:{identity:016x}"
+        if len(st.comms) >= MAX_COMMS_PER_PROC and handle not in st.comms:
+            st.comms.clear()
+        cs = st.comms[handle] = CommState(name, identity)
+        self.emit(ev.CommInit(pid=pid, rank=st.rank, ts_ns=ts, backend="nccl", comm=name,
+                              group_rank=group_rank, group_size=group_size, handle=handle))
+        return cs
+
+    def _comm(self, pid: int, st: ProcState, handle: int, ts: int) -> CommState:
+        cs = st.comms.get(handle)
+        if cs is None:  # made before we attached (or its init record was lost)
+            self._count("unknown_handles")
+            cs = self._new_comm(pid, st, handle, None, ts)
+        return cs
+
+    def __call__(self, kind: int, rec) -> None:
+        pid = rec.hdr.tgid
+        st = self.procs.get(pid)
+        if st is None:
+            return  # a process we were told to forget; its probes are being detached
+        ts = rec.hdr.ts_ns
+        if kind == COLL:
+            op = OP_NAMES.get(rec.fn)
+            if op is None:
+                self._count("unknown_fn")
+                return
+            cs = self._comm(pid, st, rec.comm, ts)
+            seq, cs.seq = cs.seq, cs.seq + 1
+            dtype, size = DTYPES.get(rec.datatype, (f"nccl_dtype{rec.datatype}", 0))
+            self.emit(ev.CollEnter(pid=pid, rank=st.rank, ts_ns=ts, backend="nccl", comm=cs.name, seq=seq,
+                                   op=op, tid=rec.hdr.tid, count=rec.count, dtype=dtype, root=rec.root,
+                                   nbytes=rec.count * size if size else -1))
+        elif kind == P2P_REC:
+            cs = self._comm(pid, st, rec.comm, ts)
+            dtype = DTYPES.get(rec.datatype, (f"nccl_dtype{rec.datatype}", 0))[0]
+            self.emit(ev.P2P(pid=pid, rank=st.rank, ts_ns=ts, backend="nccl", comm=cs.name,
+                             op=OP_NAMES.get(rec.fn, f"fn{rec.fn}"), peer=rec.root, count=rec.count, dtype=dtype))
+        elif kind == COMM_INIT:
+            self._on_init(pid, st, rec)
+        elif kind == COMM_END:
+            self._count("aborted" if rec.fn == FN_ABORT else "destroyed")
+            st.comms.pop(rec.comm, None)  # the handle's memory may be reused by the next communicator
+        elif kind == GROUP:
+            self._count("groups")  # calls inside a group are recorded as they are called
+
+    def _on_init(self, pid: int, st: ProcState, rec) -> None:
+        ts = rec.hdr.ts_ns
+        identity: Optional[int] = None
+        if rec.fn == FN_SPLIT:
+            parent = st.comms.get(rec.parent)
+            if parent is not None:
+                # Count every split of the parent, failed or NOCOLOR ones too: every parent rank calls it.
+                index, parent.splits = parent.splits, parent.splits + 1
+                if parent.identity is not None:
+                    identity = split_identity(parent.identity, rec.color, index)
+            if identity is None and rec.comm and rec.ret in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+                self._count("unknown_parents")
+        elif rec.idhash:
+            identity = rec.idhash
+        if rec.ret not in (NCCL_SUCCESS, NCCL_IN_PROGRESS) or not rec.comm:
+            if not (rec.fn == FN_SPLIT and rec.color == NCCL_SPLIT_NOCOLOR and rec.ret == NCCL_SUCCESS):
+                self._count("init_failed")
+            return
+        self._new_comm(pid, st, rec.comm, identity, ts, rec.rank, rec.nranks)

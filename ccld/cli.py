@@ -1,0 +1,96 @@
+"""The `ccld` command: parse, build, run. Each verb's work lives in its own module."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+from ccld import __version__
+from ccld.errors import CcldError, EnvironmentProblem
+
+EPILOG = """examples:
+  ccld run -- torchrun --nproc-per-node 4 train.py      trace a job from its start
+  ccld agent --pid 12345 --collector tcp://10.0.0.5:5555 attach to a running job (its launcher's pid)
+  ccld collector --listen tcp://0.0.0.0:5555 --store runs/today --findings findings.jsonl
+  ccld diagnose runs/today                              re-run the detectors on a recorded store
+  ccld demo --fault hang                                a 4-rank CPU job with one rank that hangs
+"""
+
+DEFAULT_LISTEN = "tcp://127.0.0.1:5555"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ccld", description="Find the rank and link that make a distributed "
+                                "training job hang or crawl, while it runs.", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"ccld {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug detail to stderr")
+    sub = p.add_subparsers(dest="verb", metavar="VERB")
+
+    def detector_flags(sp):
+        sp.add_argument("--hang-after", type=float, default=5.0, metavar="S",
+                        help="shortest wait (s) reported as a hang; grows with the job's own normal waits "
+                             "(default 5)")
+
+    c = sub.add_parser("collector", help="receive events from agents, store them, report findings")
+    c.add_argument("--listen", default=DEFAULT_LISTEN, help=f"ZeroMQ endpoint to bind (default {DEFAULT_LISTEN})")
+    c.add_argument("--store", metavar="DIR", help="append every frame to this store directory")
+    c.add_argument("--findings", metavar="FILE.jsonl", help="append findings here, one JSON object a line")
+    c.add_argument("--perfetto", metavar="FILE", help="write a Perfetto trace at exit (not built yet)")
+    c.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics (not built yet)")
+    detector_flags(c)
+
+    a = sub.add_parser("agent", help="trace the ranks on this node and ship events to a collector")
+    a.add_argument("--collector", default=DEFAULT_LISTEN, metavar="tcp://HOST:PORT")
+    a.add_argument("--pid", type=int, action="append", default=[], metavar="PID",
+                   help="a rank, or a launcher whose descendants are ranks (repeatable)")
+    a.add_argument("--discover", action="store_true", help="trace every rank found on this node")
+    a.add_argument("--no-bpf", action="store_true", help="use /proc only, no eBPF probes")
+    a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)  # print programs + cflags, exit
+
+    r = sub.add_parser("run", help="run a command and trace every rank it starts")
+    r.add_argument("--collector", metavar="ADDR", help="ship to this collector instead of starting one")
+    r.add_argument("--store", metavar="DIR")
+    r.add_argument("--findings", metavar="FILE.jsonl")
+    r.add_argument("--perfetto", metavar="FILE", help="(not built yet)")
+    r.add_argument("--no-bpf", action="store_true", help="use /proc only, no eBPF probes")
+    detector_flags(r)
+    r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+
+    d = sub.add_parser("diagnose", help="replay a store through the detectors")
+    d.add_argument("store", metavar="STORE_DIR")
+    d.add_argument("--json", action="store_true", help="print findings as JSON lines")
+    detector_flags(d)
+
+    m = sub.add_parser("demo", help="a 4-rank gloo job on the CPU with an injected fault, traced")
+    m.add_argument("--fault", default="hang", choices=["hang", "stop", "none"],
+                   help="hang: a rank sleeps forever; stop: a rank is SIGSTOPped; none: healthy")
+    m.add_argument("--ranks", type=int, default=4)
+    m.add_argument("--seed", type=int, default=None, help="fix the random rank/step of the fault")
+    m.add_argument("--keep", metavar="DIR", help="keep the store and findings in DIR")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="ccld: %(levelname)s %(name)s: %(message)s")
+    if not args.verb:
+        _parser().print_help()
+        return 2
+    from ccld import commands
+    try:
+        return getattr(commands, f"cmd_{args.verb}")(args)
+    except EnvironmentProblem as e:
+        print(f"ccld: {e}" + (f"\n  fix: {e.hint}" if e.hint else ""), file=sys.stderr)
+        return 1
+    except CcldError as e:
+        print(f"ccld: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

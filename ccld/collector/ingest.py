@@ -1,0 +1,51 @@
+"""Ingest one received frame: decode, count what is wrong with it, hand the good part to the timeline.
+
+Shared by the live collector and offline replay, so both count rejects the same way. Times:
+`recv_unix` is the collector's wall clock at receipt (Unix seconds). Caveat: a rejected frame is
+dropped whole (counted by reason); a frame with some bad events keeps its good ones.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+from ccld import events as ev
+from ccld.collector.timeline import Timeline
+
+
+@dataclass
+class IngestCounters:
+    frames_ok: int = 0
+    frames_rejected: collections.Counter = field(default_factory=collections.Counter)  # reason -> n
+    bad_events: collections.Counter = field(default_factory=collections.Counter)       # reason -> n
+    skipped_events: int = 0  # events of kinds newer than this collector (newer minor version)
+    bytes_ok: int = 0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"frames_ok": self.frames_ok, "frames_rejected": dict(self.frames_rejected),
+                "bad_events": dict(self.bad_events), "skipped_events": self.skipped_events,
+                "bytes_ok": self.bytes_ok}
+
+
+def decode_frame(frame: bytes, counters: IngestCounters) -> Tuple[Optional[ev.Batch], Optional[ev.FrameError]]:
+    """(batch, None) for a readable frame, (None, error) for a rejected one; counts either way."""
+    try:
+        batch = ev.decode_batch(frame)
+    except ev.FrameError as e:
+        counters.frames_rejected[e.reason] += 1
+        return None, e
+    counters.frames_ok += 1
+    counters.bytes_ok += len(frame)
+    counters.skipped_events += batch.skipped
+    for err in batch.errors:
+        counters.bad_events[err.reason] += 1
+    return batch, None
+
+
+def ingest_frame(frame: bytes, recv_unix: float, timeline: Timeline,
+                 counters: IngestCounters) -> Tuple[Optional[ev.Batch], Optional[ev.FrameError]]:
+    batch, err = decode_frame(frame, counters)
+    if batch is not None:
+        timeline.ingest(batch, recv_unix)
+    return batch, err

@@ -1,0 +1,281 @@
+"""The live collector: receive frames over ZeroMQ, store them, build the timeline, report hangs.
+
+Two threads: the ingest thread owns the PULL socket and the store (recv with a poll timeout ->
+decode -> append raw to the store -> timeline), and the detection thread runs the detectors every
+TICK_S and prints each new finding or recovery as one line and one JSON line in the findings file
+(flushed at once). A lock serialises the timeline between them.
+Times: `recv_unix` and detection `now` are this machine's wall clock (Unix seconds); event times
+are converted from the agents' clocks by the timeline. Bounds: ZeroMQ holds at most RCVHWM frames
+per agent connection (beyond that agents queue and count their own drops); bad frames are counted
+by reason and logged at most once per LOG_EVERY_S per reason; nothing received stops the collector.
+Caveat: frames larger than MAXMSGSIZE_BYTES make ZeroMQ drop the sender's connection (it reconnects);
+that protects our memory and is far above any real frame (events.MAX_FRAME_BYTES).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import zmq
+
+from ccld import events as ev
+from ccld.collector.ingest import IngestCounters, decode_frame
+from ccld.collector.store import StoreWriter
+from ccld.collector.timeline import Timeline
+from ccld.diagnose import Diagnoser
+from ccld.diagnose.findings import Finding, format_line
+from ccld.diagnose.tracker import FindingTracker
+from ccld.errors import CcldError
+
+log = logging.getLogger("ccld.collector")
+
+DEFAULT_LISTEN = "tcp://127.0.0.1:5555"
+TICK_S = 0.5              # detection period: findings within seconds need sub-second ticks
+POLL_MS = 100             # ingest wakes at least this often to flush the store and notice stop()
+MAX_BURST = 256           # frames handled per wake before flushing/checking stop again
+MAX_DRAIN_BURSTS = 40     # on stop, take what is already queued, but never chase a sender forever
+RCVHWM = 1000             # frames queued per connection in ZeroMQ (~300 MiB worst case at 300 KiB)
+MAXMSGSIZE_BYTES = 4 * ev.MAX_FRAME_BYTES  # bigger than this cannot be a frame; don't allocate it
+STATS_INTERVAL_S = 2.0    # stats.json is for humans and `ccld diagnose`; every 2 s is plenty
+LOG_EVERY_S = 10.0        # a flood of bad frames prints one line per reason per 10 s, with a count
+MAX_FINDINGS_KEPT = 10_000  # in memory; the findings file keeps everything
+JOIN_TIMEOUT_S = 5.0
+
+
+class CollectorError(CcldError):
+    """The collector cannot start (address in use, store unusable, findings file not writable)."""
+
+
+class _RateLimitedLog:
+    def __init__(self, every_s: float = LOG_EVERY_S):
+        self.every_s = every_s
+        self._last: Dict[str, float] = {}
+        self._suppressed: Dict[str, int] = {}
+
+    def __call__(self, reason: str, message: str) -> None:
+        now = time.monotonic()
+        last = self._last.get(reason)
+        if last is not None and now - last < self.every_s:
+            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+            return
+        more = self._suppressed.pop(reason, 0)
+        self._last[reason] = now
+        log.warning("%s%s", message, f" ({more} more like it since the last report)" if more else "")
+
+
+class Collector:
+    def __init__(self, listen: str = DEFAULT_LISTEN, store_dir: Optional[str] = None,
+                 findings_path: Optional[str] = None, on_line: Callable[[str], Any] = print,
+                 floor_s: float = 5.0, k: float = 4.0, tick_s: float = TICK_S):
+        self.listen = listen
+        self.store_dir = store_dir
+        self.findings_path = findings_path
+        self.on_line = on_line
+        self.tick_s = tick_s
+        self.timeline = Timeline()
+        self.counters = IngestCounters()
+        self.diagnoser = Diagnoser(self.timeline, floor_s=floor_s, k=k)
+        self.tracker = FindingTracker()
+        self.findings: List[Finding] = []
+        self.recoveries: List[Dict[str, Any]] = []
+        self.endpoint: Optional[str] = None
+        self.internal_errors = 0
+        self.findings_not_kept = 0
+        self.store_errors = 0
+        self._lock = threading.Lock()       # timeline + counters
+        self._out_lock = threading.Lock()   # findings file + on_line + lists
+        self._stop = threading.Event()
+        self._log_reject = _RateLimitedLog()
+        self._ctx: Optional[zmq.Context] = None
+        self._sock = None
+        self._store: Optional[StoreWriter] = None
+        self._findings_file = None
+        self._threads: List[threading.Thread] = []
+        self._started_at: Optional[float] = None
+        self._stopped = False
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> "Collector":
+        if self._threads:
+            raise CollectorError("collector already started")
+        try:
+            if self.store_dir:
+                self._store = StoreWriter(self.store_dir)
+            if self.findings_path:
+                try:
+                    self._findings_file = open(self.findings_path, "a", encoding="utf-8")
+                except OSError as e:
+                    raise CollectorError(f"cannot write findings to {self.findings_path}: {e}") from None
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.PULL)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RCVHWM, RCVHWM)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE_BYTES)
+            try:
+                self._sock.bind(self.listen)
+            except zmq.ZMQError as e:
+                raise CollectorError(f"cannot listen on {self.listen}: {e}") from None
+            self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            self._close_resources()
+            raise
+        self._started_at = time.time()
+        self._threads = [threading.Thread(target=self._ingest_loop, name="ccld-ingest", daemon=True),
+                         threading.Thread(target=self._tick_loop, name="ccld-detect", daemon=True)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        """Drain what is already received, flush store, stats and findings, close the socket."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        for t in self._threads:
+            t.join(JOIN_TIMEOUT_S)
+            if t.is_alive():
+                log.warning("collector thread %s did not stop within %.0f s", t.name, JOIN_TIMEOUT_S)
+        if self._store is not None:
+            try:
+                self._store.write_stats(self.stats)
+            except OSError as e:
+                log.warning("cannot write %s/stats.json: %s", self.store_dir, e)
+        self._close_resources()
+
+    def _close_resources(self) -> None:
+        if self._store is not None:
+            try:
+                self._store.close()
+            except OSError as e:
+                log.warning("cannot close store %s: %s", self.store_dir, e)
+        with self._out_lock:
+            if self._findings_file is not None:
+                self._findings_file.close()
+                self._findings_file = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> "Collector":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- ingest ---------------------------------------------------------------------------------
+
+    def _ingest_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        last_stats = time.monotonic()
+        drain_bursts = 0
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                if stopping or poller.poll(POLL_MS):
+                    for _ in range(MAX_BURST):
+                        try:
+                            frame = self._sock.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self.handle_frame(frame, time.time())
+                    else:
+                        drain_bursts += stopping
+                        if stopping and drain_bursts < MAX_DRAIN_BURSTS:
+                            continue  # more was waiting: keep draining (boundedly) before the final flush
+                if self._store is not None:
+                    self._store.maybe_flush()
+                    if time.monotonic() - last_stats >= STATS_INTERVAL_S:
+                        last_stats = time.monotonic()
+                        self._store.write_stats(self.stats)
+                        self._store.flush()
+            except Exception:  # a bug or a full disk must not take the collector down; count and go on
+                self.internal_errors += 1
+                log.exception("collector ingest error (%d so far); continuing", self.internal_errors)
+                time.sleep(POLL_MS / 1000)
+            if stopping:
+                return
+
+    def handle_frame(self, frame: bytes, recv_unix: float) -> None:
+        """Decode, count, store and ingest one frame (the ingest thread's job; public for tests)."""
+        with self._lock:
+            batch, err = decode_frame(frame, self.counters)
+        if err is not None:
+            self._log_reject(err.reason, f"rejected a {len(frame)}-byte frame ({err.reason}): {err}")
+            return
+        if self._store is not None:
+            try:
+                self._store.append(frame, recv_unix)
+            except OSError as e:  # disk full, store removed: keep diagnosing live, say what is not stored
+                self.store_errors += 1
+                self._log_reject("store", f"cannot append to store {self.store_dir} "
+                                          f"({self.store_errors} frames not stored): {e}")
+        with self._lock:
+            self.timeline.ingest(batch, recv_unix)
+        for e in batch.errors:
+            self._log_reject("event:" + e.reason, f"dropped a bad event ({e.reason}): {e}")
+
+    # ---- detection ------------------------------------------------------------------------------
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            try:
+                self.tick(time.time())
+            except Exception:
+                self.internal_errors += 1
+                log.exception("collector detection error (%d so far); continuing", self.internal_errors)
+
+    def tick(self, now: float) -> None:
+        """Run the detectors at Unix time `now`; report what is new and what recovered."""
+        with self._lock:
+            found = self.diagnoser.find_hangs(now)
+            new, recovered = self.tracker.update(found, now)
+        for f in new:
+            self._emit(format_line(f), f.json_line())
+            with self._out_lock:
+                if len(self.findings) < MAX_FINDINGS_KEPT:
+                    self.findings.append(f)
+                else:
+                    self.findings_not_kept += 1
+        for r in recovered:
+            self._emit(format_line(r), json.dumps(r))
+            with self._out_lock:
+                if len(self.recoveries) < MAX_FINDINGS_KEPT:
+                    self.recoveries.append(r)
+
+    def _emit(self, line: str, json_line: str) -> None:
+        with self._out_lock:
+            if self._findings_file is not None:
+                try:
+                    self._findings_file.write(json_line + "\n")
+                    self._findings_file.flush()
+                except OSError as e:
+                    self.internal_errors += 1
+                    log.warning("cannot write findings to %s: %s", self.findings_path, e)
+        try:
+            self.on_line(line)
+        except Exception:
+            self.internal_errors += 1
+            log.exception("on_line callback failed")
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> Dict[str, Any]:
+        with self._lock:
+            d = self.counters.to_dict()
+            d.update(self.timeline.counters())
+        d.update(endpoint=self.endpoint, started_at=self._started_at, findings=len(self.findings),
+                 recoveries=len(self.recoveries), active_findings=len(self.tracker.active),
+                 findings_not_kept=self.findings_not_kept, internal_errors=self.internal_errors,
+                 store_errors=self.store_errors,
+                 store_records=self._store.records if self._store else None)
+        return d

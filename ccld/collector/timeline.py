@@ -1,0 +1,359 @@
+"""The timeline: events of all agents joined into ranks, communicators and collectives.
+
+A collective is identified across ranks by (communicator, seq); for each one the timeline keeps
+every rank's enter/start/end time. Times: every time here is Unix seconds (float), converted from
+the event's node-monotonic `ts_ns` by `ClockTable.to_unix`, keyed by the batch's agent; `recv_unix`
+is only used for how long an agent has been silent.
+
+Bounds: the last MAX_COLLS_PER_COMM collectives per communicator, MAX_COMMS communicators,
+MAX_RANKS processes, MAX_PENDING_NO_CLOCK events waiting for their agent's first clock sample.
+Whatever falls outside a bound, and every odd event (end without enter, unknown pid, duplicate),
+is counted in `anomalies`, never fatal. Not thread-safe: the caller serialises ingest and reads.
+Caveat: a communicator whose group size is unknown (attached after init) is assumed to span its
+job's whole world.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, Optional, Set, Tuple
+
+from ccld import events as ev
+from ccld.collector.clock import ClockTable
+
+MAX_COLLS_PER_COMM = 4096     # hang detection looks at the newest; 4096 covers minutes of a fast job
+MAX_COMMS = 10_000            # process groups per collector; real jobs have a handful per job
+MAX_RANKS = 100_000           # processes per collector
+MAX_WORLD_SIZE = 1 << 20      # larger than any job that exists; a bigger value is a corrupt event
+MAX_PENDING_NO_CLOCK = 100_000  # events held until their agent's first clock sample (sent every batch)
+PEAK_BUCKET_S = 300.0         # arrival-spread/duration peaks are kept per 5-minute bucket ...
+PEAK_BUCKETS = 12             # ... for an hour: a checkpoint every N minutes is still remembered
+
+
+@dataclass
+class RankRecord:
+    """One training process, keyed by (node, pid)."""
+    node: str
+    pid: int
+    agent: str
+    rank: int = -1
+    world_size: int = -1
+    local_rank: int = -1
+    job: str = ""
+    state: str = ""           # /proc state letter of the latest RankState
+    wchan: str = ""
+    cpu_ns: int = -1
+    state_at: Optional[float] = None
+    cpu_busy: Optional[float] = None  # CPU seconds per second between the last two RankStates
+    exited_at: Optional[float] = None
+    exit_reason: str = ""
+    last_event_at: Optional[float] = None
+    last_p2p: Optional[Tuple[str, int, float]] = None  # (op, peer, at)
+
+    def stopped(self) -> bool:
+        return self.state in ("T", "t")
+
+    def exited(self) -> bool:
+        return self.exited_at is not None or self.state in ("Z", "X")
+
+
+@dataclass
+class CollView:
+    """One collective (comm, seq) as seen by every rank that reported it."""
+    comm: str
+    seq: int
+    op: str
+    enter: Dict[int, float] = field(default_factory=dict)   # global rank -> Unix s
+    start: Dict[int, float] = field(default_factory=dict)
+    end: Dict[int, float] = field(default_factory=dict)
+    ops: Dict[int, str] = field(default_factory=dict)       # global rank -> op it called
+    failed: Dict[int, str] = field(default_factory=dict)    # global rank -> library error
+    completed_at: Optional[float] = None
+
+    def first_enter(self) -> Optional[float]:
+        return min(self.enter.values()) if self.enter else None
+
+    def last_enter(self) -> Optional[float]:
+        return max(self.enter.values()) if self.enter else None
+
+
+@dataclass
+class Comm:
+    """A communicator (process group) across ranks."""
+    id: str
+    backend: str = ""
+    group_size: int = -1
+    job: str = ""
+    members: Set[int] = field(default_factory=set)          # global ranks seen via CommInit/CollEnter
+    pids: Dict[int, Tuple[str, int]] = field(default_factory=dict)  # global rank -> (node, pid)
+    retired: Set[Tuple[str, int]] = field(default_factory=set)      # (node, pid)s replaced by a restart
+    colls: "collections.OrderedDict[int, CollView]" = field(default_factory=collections.OrderedDict)
+    max_seq: int = -1
+    evicted_upto: int = -1     # seqs at or below this fell out of the bound; late events for them are dropped
+    last_entered: Dict[int, Tuple[int, str, float]] = field(default_factory=dict)  # rank -> (seq, op, at)
+    # bucket index -> (max arrival spread s, max duration s) of collectives completed in that bucket
+    peaks: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    completed: int = 0
+    resets: int = 0
+
+
+_RANK_EVENTS = (ev.RankState, ev.RankExit, ev.CommInit, ev.CollEnter, ev.WorkStart, ev.WorkEnd, ev.P2P)
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.clock = ClockTable()
+        self.ranks: Dict[Tuple[str, int], RankRecord] = {}
+        self.by_rank: Dict[Tuple[str, int], Tuple[str, int]] = {}   # (job, global rank) -> (node, pid)
+        self.jobs: Dict[str, int] = {}                              # job -> world size
+        self.comms: Dict[str, Comm] = {}
+        self.agents: Dict[str, Dict[str, Any]] = {}                 # agent -> hello, node, last batch, recv
+        self.probes: Dict[Tuple[str, int, str], Dict[str, Any]] = {}  # (node, pid, family) -> status
+        self.agent_loss: Dict[str, Dict[str, int]] = {}
+        self.events_by_kind: collections.Counter = collections.Counter()
+        self.anomalies: collections.Counter = collections.Counter()
+        # Exact per-(global rank, op) counts, for tests and sanity checks (all jobs together).
+        self.enter_counts: collections.Counter = collections.Counter()
+        self.end_counts: collections.Counter = collections.Counter()
+        self.p2p_counts: collections.Counter = collections.Counter()
+        self._pending: Dict[str, Deque[Tuple[str, ev.Event]]] = {}
+        self.last_recv: Optional[float] = None
+
+    # ---- ingest ---------------------------------------------------------------------------------
+
+    def ingest(self, batch: ev.Batch, recv_unix: float) -> None:
+        agent = batch.agent
+        info = self.agents.setdefault(agent, {"node": batch.node, "last_batch": 0, "frames": 0})
+        info["node"], info["last_recv"] = batch.node, recv_unix
+        info["frames"] += 1
+        if batch.batch == info["last_batch"] + 1 or info["frames"] == 1:
+            pass
+        elif batch.batch > info["last_batch"] + 1:
+            self.anomalies["batch-gap"] += batch.batch - info["last_batch"] - 1  # frames lost in transit
+        else:
+            self.anomalies["agent-restart"] += 1  # numbering started over: a new agent process
+        info["last_batch"] = batch.batch
+        self.last_recv = recv_unix if self.last_recv is None else max(self.last_recv, recv_unix)
+        for e in batch.events:
+            self.events_by_kind[e.KIND] += 1
+            if isinstance(e, ev.ClockSample):
+                if self.clock.update(agent, e.mono_ns, e.wall_ns):
+                    self._drain_pending(agent)
+                else:
+                    self.anomalies["bad-clock-sample"] += 1
+            elif self.clock.has(agent):
+                self._apply(agent, batch.node, e)
+            else:
+                q = self._pending.setdefault(agent, collections.deque())
+                if len(q) >= MAX_PENDING_NO_CLOCK:
+                    self.anomalies["no-clock-dropped"] += 1
+                else:
+                    q.append((batch.node, e))
+
+    def _drain_pending(self, agent: str) -> None:
+        q = self._pending.pop(agent, None)
+        while q:
+            node, e = q.popleft()
+            self._apply(agent, node, e)
+
+    def _apply(self, agent: str, node: str, e: ev.Event) -> None:
+        t = self.clock.to_unix(agent, e.ts_ns) if isinstance(getattr(e, "ts_ns", None), int) else None
+        if isinstance(e, ev.AgentHello):
+            self.agents[agent].update(hello_at=t, agent_pid=e.pid, version=e.version, sources=list(e.sources))
+        elif isinstance(e, ev.LossCounters):
+            self.agent_loss[agent] = dict(e.counters)  # cumulative: the latest replaces the previous
+        elif isinstance(e, ev.ProbeStatus):
+            self.probes[(node, e.pid, e.family)] = {"ok": e.ok, "target": e.target, "attached": e.attached,
+                                                    "message": e.message, "at": t}
+        elif isinstance(e, ev.RankInfo):
+            self._rank_info(agent, node, e, t)
+        elif isinstance(e, _RANK_EVENTS):
+            self._rank_event(agent, node, e, t)
+        else:
+            self.anomalies[f"unhandled-kind:{e.KIND}"] += 1  # a kind the schema knows but the timeline does not use
+
+    def _rank_info(self, agent: str, node: str, e: ev.RankInfo, t: float) -> None:
+        if e.world_size > MAX_WORLD_SIZE or e.rank >= MAX_WORLD_SIZE:
+            self.anomalies["bad-world-size"] += 1  # cannot be real; would make expected_members huge
+            return
+        rec = self.ranks.get((node, e.pid))
+        if rec is None:
+            if len(self.ranks) >= MAX_RANKS:
+                self.anomalies["ranks-over-bound"] += 1
+                return
+            rec = self.ranks[(node, e.pid)] = RankRecord(node=node, pid=e.pid, agent=agent)
+        rec.rank, rec.world_size, rec.local_rank, rec.job = e.rank, e.world_size, e.local_rank, e.job
+        rec.last_event_at = t if rec.last_event_at is None else max(rec.last_event_at, t)
+        if e.world_size > 0:
+            self.jobs[e.job] = max(self.jobs.get(e.job, 0), e.world_size)
+        else:
+            self.jobs.setdefault(e.job, -1)
+        if e.rank >= 0:
+            self.by_rank[(e.job, e.rank)] = (node, e.pid)  # a restarted rank (new pid) replaces the old
+
+    def _rank_event(self, agent: str, node: str, e: ev.Event, t: float) -> None:
+        rec = self.ranks.get((node, e.pid))
+        if rec is None:
+            self.anomalies["unknown-pid"] += 1  # no RankInfo (yet) for this process
+        else:
+            rec.last_event_at = t if rec.last_event_at is None else max(rec.last_event_at, t)
+        rank = e.rank if e.rank >= 0 else (rec.rank if rec else -1)
+        if isinstance(e, ev.RankState):
+            if rec is not None:
+                if rec.state_at is not None and rec.cpu_ns >= 0 and e.cpu_ns >= rec.cpu_ns and t > rec.state_at:
+                    rec.cpu_busy = (e.cpu_ns - rec.cpu_ns) / 1e9 / (t - rec.state_at)
+                rec.state, rec.wchan, rec.cpu_ns, rec.state_at = e.state, e.wchan, e.cpu_ns, t
+            return
+        if isinstance(e, ev.RankExit):
+            if rec is not None:
+                rec.exited_at, rec.exit_reason = t, e.reason
+            return
+        if rank < 0:
+            self.anomalies["no-rank"] += 1  # neither the event nor a RankInfo says which rank this is
+            return
+        if isinstance(e, ev.P2P):
+            self.p2p_counts[(rank, e.op)] += 1
+            if rec is not None:
+                rec.last_p2p = (e.op, e.peer, t)
+            return
+        comm = self._comm(e.comm, rec, rank, node, e.pid, isinstance(e, ev.CommInit))
+        if comm is None:
+            return
+        if isinstance(e, ev.CommInit):
+            comm.backend = e.backend or comm.backend
+            if e.group_size >= 0:
+                comm.group_size = e.group_size
+            comm.members.add(rank)
+        elif isinstance(e, ev.CollEnter):
+            self._enter(comm, rank, e, t)
+        elif isinstance(e, (ev.WorkStart, ev.WorkEnd)):
+            view = self._view(comm, e.seq, "", create=True)
+            if view is None:
+                return
+            if rank not in view.enter:
+                self.anomalies["start-without-enter" if isinstance(e, ev.WorkStart) else "end-without-enter"] += 1
+            if isinstance(e, ev.WorkStart):
+                view.start.setdefault(rank, t)
+            elif rank in view.end:
+                self.anomalies["duplicate-end"] += 1
+            else:
+                view.end[rank] = t
+                if not e.ok:
+                    view.failed[rank] = e.error or "failed"
+                self.end_counts[(rank, view.ops.get(rank) or view.op or "unknown")] += 1
+                self._maybe_completed(comm, view)
+
+    def _comm(self, cid: str, rec: Optional[RankRecord], rank: int, node: str, pid: int,
+              is_init: bool) -> Optional[Comm]:
+        comm = self.comms.get(cid)
+        if comm is None:
+            if len(self.comms) >= MAX_COMMS:
+                self.anomalies["comms-over-bound"] += 1
+                return None
+            comm = self.comms[cid] = Comm(id=cid)
+        if not comm.job and rec is not None and rec.job:
+            comm.job = rec.job
+        prev = comm.pids.get(rank)
+        if (node, pid) in comm.retired or (prev is not None and prev != (node, pid) and not is_init):
+            self.anomalies["stale-pid"] += 1  # an old incarnation of a restarted rank; ignore it
+            return None
+        if prev is not None and prev != (node, pid):
+            # The rank was restarted and rebuilt this group: sequence numbers start over.
+            self.anomalies["comm-reset"] += 1
+            comm = self.comms[cid] = Comm(id=cid, job=comm.job, backend=comm.backend, resets=comm.resets + 1,
+                                          retired=comm.retired | set(comm.pids.values()))
+        comm.pids[rank] = (node, pid)
+        return comm
+
+    def _view(self, comm: Comm, seq: int, op: str, create: bool) -> Optional[CollView]:
+        view = comm.colls.get(seq)
+        if view is not None or not create:
+            return view
+        if seq <= comm.evicted_upto:
+            self.anomalies["late-event"] += 1  # its collective already fell out of the bound
+            return None
+        view = comm.colls[seq] = CollView(comm=comm.id, seq=seq, op=op)
+        while len(comm.colls) > MAX_COLLS_PER_COMM:
+            old, _ = comm.colls.popitem(last=False)
+            comm.evicted_upto = max(comm.evicted_upto, old)
+        return view
+
+    def _enter(self, comm: Comm, rank: int, e: ev.CollEnter, t: float) -> None:
+        comm.members.add(rank)
+        if not comm.backend:
+            comm.backend = e.backend
+        view = self._view(comm, e.seq, e.op, create=True)
+        if view is None:
+            return
+        if rank in view.enter:
+            self.anomalies["duplicate-enter"] += 1
+            return
+        if not view.op:
+            view.op = e.op
+        view.enter[rank] = t
+        view.ops[rank] = e.op
+        self.enter_counts[(rank, e.op)] += 1
+        last = comm.last_entered.get(rank)
+        if last is None or e.seq >= last[0]:
+            comm.last_entered[rank] = (e.seq, e.op, t)
+        comm.max_seq = max(comm.max_seq, e.seq)
+
+    def _maybe_completed(self, comm: Comm, view: CollView) -> None:
+        if view.completed_at is not None:
+            return
+        expected = self.expected_members(comm.id)
+        if not expected or not expected.issubset(view.enter.keys()) or not expected.issubset(view.end.keys()):
+            return
+        view.completed_at = max(view.end[r] for r in expected)
+        comm.completed += 1
+        spread = view.last_enter() - view.first_enter()
+        duration = max(0.0, view.completed_at - view.last_enter())
+        bucket = int(view.completed_at // PEAK_BUCKET_S)
+        s, d = comm.peaks.get(bucket, (0.0, 0.0))
+        comm.peaks[bucket] = (max(s, spread), max(d, duration))
+        while len(comm.peaks) > PEAK_BUCKETS:
+            del comm.peaks[min(comm.peaks)]
+
+    # ---- questions ------------------------------------------------------------------------------
+
+    def expected_members(self, comm_id: str) -> Set[int]:
+        """Global ranks that must take part in every collective of `comm_id`.
+
+        The whole world of the job when the group spans it (or its size is unknown, which happens
+        when we attached after the group was built); otherwise the ranks that announced it.
+        """
+        comm = self.comms.get(comm_id)
+        if comm is None:
+            return set()
+        world = self.jobs.get(comm.job, -1) if comm.job else -1
+        if world > 0 and (comm.group_size < 0 or comm.group_size == world):
+            return set(range(world))
+        return set(comm.members)
+
+    def recent_peaks(self, comm_id: str, now: float) -> Tuple[float, float]:
+        """(max arrival spread s, max duration s) of the collectives completed in the last hour."""
+        comm = self.comms.get(comm_id)
+        if comm is None:
+            return 0.0, 0.0
+        oldest = int(now // PEAK_BUCKET_S) - PEAK_BUCKETS + 1
+        got = [v for b, v in comm.peaks.items() if b >= oldest]
+        return (max((s for s, _ in got), default=0.0), max((d for _, d in got), default=0.0))
+
+    def rank_record(self, job: str, rank: int) -> Optional[RankRecord]:
+        key = self.by_rank.get((job, rank))
+        if key is None and not job:  # comm of unknown job: accept a unique match on the rank alone
+            keys = [k for (j, r), k in self.by_rank.items() if r == rank]
+            key = keys[0] if len(keys) == 1 else None
+        return self.ranks.get(key) if key else None
+
+    def agent_silent_s(self, agent: str, now: float) -> Optional[float]:
+        info = self.agents.get(agent)
+        return None if info is None or "last_recv" not in info else max(0.0, now - info["last_recv"])
+
+    def counters(self) -> Dict[str, Any]:
+        """JSON-ready counters for stats.json and `ccld diagnose`."""
+        return {"events_by_kind": dict(self.events_by_kind), "anomalies": dict(self.anomalies),
+                "agent_loss": {a: dict(c) for a, c in self.agent_loss.items()},
+                "clock_samples_rejected": self.clock.rejected,
+                "pending_no_clock": sum(len(q) for q in self._pending.values()),
+                "agents": len(self.agents), "ranks": len(self.ranks), "comms": len(self.comms)}

@@ -1,0 +1,120 @@
+"""Findings: what the detectors conclude, as values; printing them is `format_line`'s job.
+
+A Finding's JSON shape is the one in DESIGN.md ("Findings"), plus `id` (stable: the same hang found
+live and by replay has the same id) and `job`. Times (`onset_at`, `detected_at`, times inside the
+evidence) are Unix seconds. Caveat: `stack` stays None until a stack source exists.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+LINE_COLS = 100  # default terminal output fits 100 columns (STYLE.md)
+
+STATE_NAMES = {"R": "running", "S": "sleeping", "D": "disk sleep", "T": "stopped", "t": "tracing stop",
+               "Z": "zombie", "X": "dead", "I": "idle", "W": "paging", "P": "parked"}
+
+
+@dataclass
+class Finding:
+    kind: str                      # "hang" | "slow"
+    cls: str                       # the JSON "class": not-entered, inconsistent, fault, comp-slow, ...
+    ranks: List[int]               # global ranks the finding blames
+    comm: str
+    seq: int
+    op: str
+    onset_at: float
+    detected_at: float
+    evidence: Dict[str, Any] = field(default_factory=dict)
+    link: Optional[List[int]] = None   # a rank pair, when the finding is localised to a link
+    stack: Optional[str] = None
+    job: str = ""
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.ranks = sorted(self.ranks)
+        if not self.id:
+            h = hashlib.sha1(repr(self.key()).encode()).hexdigest()[:12]
+            self.id = f"{self.kind}-{h}"
+
+    def key(self) -> Tuple[str, str, int, Tuple[int, ...]]:
+        """What makes two findings the same one (the tracker reports each key once)."""
+        return (self.cls, self.comm, self.seq, tuple(self.ranks))
+
+    def to_json(self) -> Dict[str, Any]:
+        """A JSON-ready dict in DESIGN.md's key order, then id and job."""
+        return {"kind": self.kind, "class": self.cls, "ranks": list(self.ranks), "link": self.link,
+                "comm": self.comm, "seq": self.seq, "op": self.op, "onset_at": self.onset_at,
+                "detected_at": self.detected_at, "evidence": self.evidence, "stack": self.stack,
+                "id": self.id, "job": self.job}
+
+    def json_line(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=False, default=str)
+
+
+def recovery_record(f: Finding, recovered_at: float) -> Dict[str, Any]:
+    return {"kind": "recovered", "id": f.id, "class": f.cls, "ranks": list(f.ranks), "comm": f.comm,
+            "seq": f.seq, "recovered_at": recovered_at}
+
+
+def _ranks_text(ranks: List[int], most: int = 8) -> str:
+    shown = ",".join(str(r) for r in ranks[:most])
+    return f"[{shown}{',...+%d' % (len(ranks) - most) if len(ranks) > most else ''}]"
+
+
+def rank_detail(r: Dict[str, Any], compact: int = 0) -> str:
+    """One rank's evidence in words: 'rank 2 S (sleeping) in hrtimer_nanosleep, last entered seq 56'.
+
+    compact >= 1 drops the state's name, >= 2 shortens "last entered seq", >= 5 clips the wchan.
+    """
+    text = f"rank {r.get('rank')}"
+    if not r.get("seen", True):
+        text += " not reported by any agent"
+    elif r.get("exited_at") is not None:
+        text += f" exited ({r.get('exit_reason') or 'exited'})"
+    elif r.get("state"):
+        text += f" {r['state']}" + ("" if compact >= 1 else f" ({STATE_NAMES.get(r['state'], '?')})")
+        wchan = r.get("wchan") or ""
+        if wchan and wchan != "0":
+            text += f" in {wchan[:16] if compact >= 5 else wchan}"
+    if (r.get("cpu_busy") or 0) >= 0.5 and r.get("exited_at") is None:  # busy, not waiting: worth a word
+        text += f", cpu {100 * r['cpu_busy']:.0f}%"
+    last = r.get("last_entered")
+    if last:
+        text += f", last {'' if compact >= 2 else 'entered '}seq {last['seq']}"
+    elif r.get("seen", True):
+        text += ", entered nothing yet"
+    return text
+
+
+def format_line(f: Union[Finding, Dict[str, Any]]) -> str:
+    """One readable line for a Finding or a recovery record, made more compact until it fits LINE_COLS."""
+    if isinstance(f, dict):
+        if f.get("kind") == "recovered":
+            line = (f"RECOVERED {f.get('class')} ranks {_ranks_text(f.get('ranks') or [])} {f.get('comm')} "
+                    f"seq {f.get('seq')} ({f.get('id')})")
+            return line if len(line) <= LINE_COLS else line[:LINE_COLS - 3] + "..."
+        raise TypeError("format_line takes a Finding or a recovery record")
+    ev = f.evidence or {}
+    inside = ev.get("reason") in ("not-started", "not-finished")
+    waited = f.detected_at - f.onset_at
+    details = ev.get("ranks") or []
+    line = ""
+    for compact in range(6):
+        verb = ("inside for " if inside else "waiting ") if compact < 4 else ""
+        head = (f"{f.kind.upper()} {f.cls} {'ranks ' if compact < 3 else ''}{_ranks_text(f.ranks)} "
+                f"{f.comm} seq {f.seq} {f.op}: {verb}{waited:.1f} s")
+        parts = [head]
+        if ev.get("reason") == "not-started":
+            parts.append("never started it")
+        elif ev.get("reason") == "not-finished":
+            parts.append("never finished it")
+        if details:
+            d = rank_detail(details[0], compact)
+            parts.append(d + (f" (+{len(details) - 1} more)" if len(details) > 1 else ""))
+        line = "; ".join(parts)
+        if len(line) <= LINE_COLS:
+            return line
+    return line[:LINE_COLS - 3] + "..."

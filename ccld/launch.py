@@ -1,0 +1,119 @@
+"""`ccld run`: start a collector (unless one is named) and an agent, run the command, trace every rank
+it spawns, and stop everything when it exits. Exit status = the command's.
+
+The command gets its own process group, so Ctrl-C reaches ccld first; ccld then stops that group
+(SIGTERM, then SIGKILL after STOP_GRACE_S), flushes findings and the store, and exits.
+BPF programs are compiled before the command starts (about 1-2 s), so the first collectives and
+the process-group constructors are seen.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+from ccld.errors import CcldError
+
+STOP_GRACE_S = 10.0   # torchrun forwards SIGTERM to its workers and waits for them; give it time
+DRAIN_S = 0.5         # after the command exits: let the last frames reach the collector
+
+
+@dataclass
+class Session:
+    """A collector (maybe) + an agent, for one traced command."""
+    collector: object
+    agent: object
+    endpoint: str
+
+
+def open_session(collector_addr: Optional[str], store: Optional[str], findings: Optional[str],
+                 hang_after: float, use_bpf: bool, say: Callable[[str], None]) -> Session:
+    from ccld.tracer.agent import Agent
+    collector = None
+    endpoint = collector_addr
+    if not endpoint:
+        from ccld.collector.server import Collector
+        collector = Collector(listen="tcp://127.0.0.1:*", store_dir=store, findings_path=findings,
+                              on_line=say, floor_s=hang_after)
+        collector.start()
+        endpoint = collector.endpoint
+    elif store or findings:
+        say("ccld: note: --store/--findings belong to the collector at " + endpoint + "; ignored here")
+    agent = Agent(endpoint, root_pid=-1, use_bpf=use_bpf, say=say)
+    agent.load()
+    return Session(collector, agent, endpoint)
+
+
+def close_session(s: Session) -> None:
+    s.agent.stop()
+    if s.collector is not None:
+        time.sleep(DRAIN_S)
+        s.collector.stop()
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop the command's whole process group: SIGCONT (a stopped rank cannot die), SIGTERM, SIGKILL."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig in (signal.SIGCONT, signal.SIGTERM):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+    try:
+        proc.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def exit_status(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], findings: Optional[str],
+        hang_after: float, use_bpf: bool, say: Callable[[str], None] = print) -> int:
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise CcldError("nothing to run: give a command after --, e.g. ccld run -- torchrun --nproc-per-node 4 train.py")
+    session = open_session(collector_addr, store, findings, hang_after, use_bpf, say)
+    interrupted = []
+
+    def on_signal(signum, _frame):
+        interrupted.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            proc = subprocess.Popen(cmd, start_new_session=True)
+        except OSError as e:
+            raise CcldError(f"cannot start {cmd[0]!r}: {e.strerror}") from None
+        session.agent.root_pid = proc.pid
+        session.agent.start()
+        say(f"ccld: tracing `{shlex.join(cmd)[:60]}` (pid {proc.pid}); sources: "
+            f"{', '.join(session.agent.sources)}; collector {session.endpoint}. Ctrl-C to end")
+        while proc.poll() is None and not interrupted:
+            time.sleep(0.1)
+        if interrupted:
+            say("ccld: interrupted; stopping the command")
+            stop_group(proc)
+        return exit_status(proc.returncode)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        close_session(session)
+        if session.collector is not None:
+            n = len(getattr(session.collector, "findings", []))
+            say(f"ccld: done; {n} finding{'s' if n != 1 else ''}" +
+                (f" in {findings}" if findings and n else ""))

@@ -1,0 +1,255 @@
+"""The node agent: discovers a job's ranks, attaches probe families to them, and ships events.
+
+One thread does the work, in a loop: drain every family's ring buffer (POLL_MS), and every
+SCAN_INTERVAL_MS look at /proc for ranks that appeared (attach) or went away (detach, forget).
+Ranks are found as descendants of a launched command (`ccld run`), as given PIDs and their
+descendants (`ccld agent --pid`), or anywhere on the node (`--discover`). Times are this node's
+CLOCK_MONOTONIC ns. A failure on one rank or one library is a warning; the agent keeps going, and
+nothing here can block or fail the traced job (probes are entry-only, the queue drops when full).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+from ccld import __version__
+from ccld import events as ev
+from ccld.errors import CcldError, EnvironmentProblem
+from ccld.tracer import discover, procstate
+from ccld.tracer.shipper import Shipper
+
+log = logging.getLogger("ccld.agent")
+
+POLL_MS = 50              # ring-buffer drain period; records wait at most this long in the kernel
+SCAN_INTERVAL_MS = 200    # new ranks are attached within this (+ attach time) of mapping libtorch
+PROC_INTERVAL_S = 1.0     # /proc state of each rank, shipped as liveness and "what it is doing"
+ANNOUNCE_S = 10.0         # re-send hello and ranks so a restarted collector relearns the job
+NEG_CACHE_LIMIT = 65536   # remembered non-rank processes (by pid+cmdline) in --discover mode
+
+
+@dataclass
+class Rank:
+    ident: discover.RankIdentity
+    attached: Dict[str, str] = field(default_factory=dict)  # family -> library path
+    failed: Set[str] = field(default_factory=set)            # families that failed to attach
+    last_state: Optional[Tuple[str, str, int]] = None
+    last_state_at: float = 0.0
+
+
+def _families(emit: Callable[[ev.Event], None]):
+    """(family, translator) pairs for every probe family this build has."""
+    from ccld.bpf.gloo import GlooFamily, GlooTranslator
+    out = []
+    tr = GlooTranslator(emit)
+    out.append((GlooFamily(tr), tr))
+    try:
+        from ccld.bpf.nccl import NcclFamily, NcclTranslator
+    except ImportError:
+        return out
+    tr = NcclTranslator(emit)
+    out.append((NcclFamily(tr), tr))
+    return out
+
+
+class Agent:
+    def __init__(self, endpoint: str, *, pids: Sequence[int] = (), root_pid: Optional[int] = None,
+                 discover_all: bool = False, use_bpf: bool = True, say: Callable[[str], None] = print,
+                 node: Optional[str] = None):
+        if not pids and root_pid is None and not discover_all:
+            raise CcldError("the agent needs something to trace: --pid PID, --discover, or a command (ccld run)")
+        self.endpoint = endpoint
+        self.pids, self.root_pid, self.discover_all = list(pids), root_pid, discover_all
+        self.use_bpf = use_bpf
+        self.say = say
+        self.node = node or socket.gethostname()
+        self.agent_id = f"{self.node}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.ranks: Dict[int, Rank] = {}
+        self.families: List[Tuple[object, object]] = []
+        self.sources: List[str] = ["proc"]
+        self.bpf_problem: Optional[EnvironmentProblem] = None
+        self._not_ranks: Dict[Tuple[int, str], None] = {}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.shipper = Shipper(endpoint, self.agent_id, self.node, extra_loss=self._loss)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def load(self) -> None:
+        """Compile and load the probe families (about 1 s each). Says once which sources are on."""
+        if self.use_bpf:
+            from ccld.bpf.loader import bpf_available
+            self.bpf_problem = bpf_available()
+            if self.bpf_problem is None:
+                for fam, tr in _families(self.shipper.put):
+                    try:
+                        fam.load()
+                    except EnvironmentProblem as e:
+                        self.bpf_problem = e
+                        break
+                    self.families.append((fam, tr))
+                    self.sources.append(f"{fam.NAME} (eBPF)")
+            if self.bpf_problem is not None:
+                self.say(f"ccld: eBPF probes are off: {self.bpf_problem} (fix: {self.bpf_problem.hint}); "
+                         f"tracing with /proc only")
+                for fam, _ in self.families:
+                    fam.close()
+                self.families = []
+                self.sources = ["proc"]
+
+    def start(self) -> "Agent":
+        if not self.families and self.use_bpf and self.bpf_problem is None:
+            self.load()
+        self.shipper.start()
+        self._announce()
+        self._thread = threading.Thread(target=self._loop, name="ccld-agent", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        for fam, _ in self.families:
+            try:
+                fam.poll(0)
+            except Exception:
+                pass
+        for pid in list(self.ranks):
+            self._forget(pid, reason="agent stopped", exited=False)
+        for fam, _ in self.families:
+            fam.close()
+        self.shipper.close()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        next_scan = next_announce = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_scan:
+                try:
+                    self._scan(now)
+                except Exception:  # one bad /proc read must not end tracing
+                    log.exception("scan failed")
+                next_scan = now + SCAN_INTERVAL_MS / 1000
+            if now >= next_announce:
+                if next_announce:
+                    self._announce()
+                next_announce = now + ANNOUNCE_S
+            if self.families:
+                share = max(1, POLL_MS // len(self.families))
+                for fam, _ in self.families:
+                    fam.poll(share)
+            else:
+                self._stop.wait(POLL_MS / 1000)
+
+    def _candidates(self) -> Set[int]:
+        pids = discover.all_pids()
+        if self.discover_all:
+            return set(pids)
+        out: Set[int] = set()
+        if self.root_pid is not None:
+            out |= discover.descendants(self.root_pid, pids)
+        for p in self.pids:
+            out.add(p)
+            out |= discover.descendants(p, pids)
+        return out
+
+    def _scan(self, now: float) -> None:
+        cands = self._candidates()
+        for pid in cands - set(self.ranks):
+            key = (pid, discover._cmdline(pid))
+            if key in self._not_ranks:
+                continue
+            ident = discover.identify(pid)
+            if ident is None:
+                if len(self._not_ranks) >= NEG_CACHE_LIMIT:
+                    self._not_ranks.clear()
+                self._not_ranks[key] = None
+                continue
+            self._add(ident)
+        for pid, r in list(self.ranks.items()):
+            if not discover.alive(pid):
+                self._forget(pid, reason="exited", exited=True)
+                continue
+            self._try_attach(r)
+            if now - r.last_state_at >= PROC_INTERVAL_S:
+                st = procstate.read_state(pid)
+                if st is not None:
+                    r.last_state, r.last_state_at = st, now
+                    self.shipper.put(ev.RankState(pid=pid, rank=r.ident.rank, ts_ns=time.monotonic_ns(),
+                                                  state=st[0], wchan=st[1], cpu_ns=st[2]))
+
+    def _rank_info(self, r: Rank) -> ev.RankInfo:
+        i = r.ident
+        return ev.RankInfo(pid=i.pid, rank=i.rank, world_size=i.world_size, local_rank=i.local_rank,
+                           node=self.node, job=i.job, ts_ns=time.monotonic_ns(), master_addr=i.master_addr,
+                           master_port=i.master_port, cmdline=i.cmdline[:512], libs=dict(r.attached))
+
+    def _add(self, ident: discover.RankIdentity) -> None:
+        r = self.ranks[ident.pid] = Rank(ident)
+        for _, tr in self.families:
+            tr.add_process(ident.pid, ident.rank, ident.job)
+        self.shipper.put(self._rank_info(r))
+        self._try_attach(r)
+
+    def _try_attach(self, r: Rank) -> None:
+        for fam, _ in self.families:
+            name = fam.NAME
+            if name in r.attached or name in r.failed:
+                continue
+            lib = fam.find_lib(r.ident.pid)
+            if lib is None:
+                continue  # not mapped (yet): a rank still importing torch; try again next scan
+            ts = time.monotonic_ns()
+            try:
+                att = fam.attach(r.ident.pid, lib)
+            except EnvironmentProblem as e:
+                r.failed.add(name)
+                self.say(f"ccld: warning: rank {r.ident.rank} (pid {r.ident.pid}): {e}")
+                self.shipper.put(ev.ProbeStatus(pid=r.ident.pid, family=name, ok=False, ts_ns=ts,
+                                                target=lib, message=str(e)))
+                continue
+            r.attached[name] = lib
+            self.shipper.put(ev.ProbeStatus(pid=r.ident.pid, family=name, ok=True, ts_ns=ts, target=lib,
+                                            attached=len(att.points),
+                                            message=("missing: " + ", ".join(att.missing)) if att.missing else ""))
+            self.shipper.put(self._rank_info(r))
+
+    def _forget(self, pid: int, reason: str, exited: bool) -> None:
+        r = self.ranks.pop(pid, None)
+        if r is None:
+            return
+        for fam, tr in self.families:
+            fam.detach(pid)
+            tr.forget(pid)
+        if exited:
+            self.shipper.put(ev.RankExit(pid=pid, rank=r.ident.rank, ts_ns=time.monotonic_ns(), reason=reason))
+
+    def _announce(self) -> None:
+        self.shipper.put(ev.AgentHello(agent=self.agent_id, node=self.node, pid=os.getpid(),
+                                       version=__version__, sources=list(self.sources),
+                                       ts_ns=time.monotonic_ns()))
+        for r in list(self.ranks.values()):
+            self.shipper.put(self._rank_info(r))
+
+    def _loss(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for fam, tr in self.families:
+            try:
+                out[f"{fam.NAME}_ringbuf_lost"] = fam.lost()
+            except Exception:
+                pass
+            for reason, n in list(fam.bad_records.items()):
+                out[f"{fam.NAME}_bad_record_{reason}"] = n
+            out[f"{fam.NAME}_unmatched"] = getattr(tr, "unmatched", 0)
+        return out
+
+    def run_forever(self) -> None:
+        """Run until stop() (from a signal handler) is called."""
+        while not self._stop.wait(0.5):
+            pass

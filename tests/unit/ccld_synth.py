@@ -1,0 +1,114 @@
+"""Synthetic jobs for unit tests: ranks on nodes with their own monotonic epochs, sent as real frames.
+
+Tests say what happens in Unix seconds; FakeAgent turns that into node-monotonic ts_ns the way a
+real agent would, and puts a ClockSample at the end of every frame (as the shipper does), so every
+test also goes through the wire schema and the clock conversion.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional
+
+from ccld import events as ev
+
+T0 = 1_764_400_000.0
+
+
+class FakeAgent:
+    def __init__(self, agent: str, node: str, boot_unix: float):
+        self.agent, self.node, self.boot_unix = agent, node, boot_unix
+        self.batch_no = 0
+        self.pending: List[ev.Event] = []
+
+    def mono(self, t_unix: float) -> int:
+        return int(round((t_unix - self.boot_unix) * 1e9))
+
+    def clock(self, t_unix: float) -> ev.ClockSample:
+        m = self.mono(t_unix)
+        return ev.ClockSample(mono_ns=m, wall_ns=int(round(t_unix * 1e9)), ts_ns=m)
+
+    def frame(self, t_send: float, events: Optional[List[ev.Event]] = None) -> bytes:
+        evs = list(self.pending if events is None else events)
+        if events is None:
+            self.pending = []
+        self.batch_no += 1
+        return ev.encode_batch(self.agent, self.node, self.batch_no, evs + [self.clock(t_send)])
+
+
+class SynthJob:
+    """`world` ranks of job `job` spread over `nodes` nodes, one agent per node, one gloo comm."""
+
+    def __init__(self, world: int = 4, nodes: int = 2, job: str = "job", t0: float = T0):
+        self.world, self.job = world, job
+        self.comm = f"{job}/gloo:0"
+        per = max(1, world // nodes)
+        self.agents = [FakeAgent(f"agent-{n}", f"node{n}", boot_unix=t0 - 1000.0 * (n + 1)) for n in range(nodes)]
+        self.agent_of = {r: self.agents[min(r // per, nodes - 1)] for r in range(world)}
+        self.pid = {r: 1000 + r for r in range(world)}
+
+    def _put(self, r: int, e: ev.Event) -> None:
+        self.agent_of[r].pending.append(e)
+
+    def ts(self, r: int, t: float) -> int:
+        return self.agent_of[r].mono(t)
+
+    def announce(self, t: float, group_size: Optional[int] = None) -> None:
+        for a in self.agents:
+            a.pending.append(ev.AgentHello(agent=a.agent, node=a.node, pid=1, version="test",
+                                           sources=["gloo"], ts_ns=a.mono(t)))
+        for r in range(self.world):
+            a = self.agent_of[r]
+            self._put(r, ev.RankInfo(pid=self.pid[r], rank=r, world_size=self.world, local_rank=r,
+                                     node=a.node, job=self.job, ts_ns=self.ts(r, t)))
+            self._put(r, ev.CommInit(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), backend="gloo",
+                                     comm=self.comm, group_rank=r,
+                                     group_size=self.world if group_size is None else group_size))
+
+    def enter(self, r: int, seq: int, t: float, op: str = "allreduce", comm: Optional[str] = None) -> None:
+        self._put(r, ev.CollEnter(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), backend="gloo",
+                                  comm=comm or self.comm, seq=seq, op=op))
+
+    def start(self, r: int, seq: int, t: float) -> None:
+        self._put(r, ev.WorkStart(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), comm=self.comm, seq=seq))
+
+    def end(self, r: int, seq: int, t: float, ok: bool = True) -> None:
+        self._put(r, ev.WorkEnd(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), comm=self.comm, seq=seq, ok=ok,
+                                error="" if ok else "boom"))
+
+    def state(self, r: int, t: float, state: str, wchan: str = "", cpu_ns: int = 0) -> None:
+        self._put(r, ev.RankState(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), state=state, wchan=wchan,
+                                  cpu_ns=cpu_ns))
+
+    def exit(self, r: int, t: float) -> None:
+        self._put(r, ev.RankExit(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t)))
+
+    def collective(self, seq: int, t: float, op: str = "allreduce", spread: float = 0.002,
+                   dur: float = 0.003, ranks: Optional[Iterable[int]] = None, finish: bool = True,
+                   late: Optional[Dict[int, float]] = None) -> float:
+        """Ranks enter between t and t+spread (rank r at t + spread*r/(world-1), plus late[r]); all
+        start when the last arrives and end `dur` later. Returns the end time."""
+        ranks = list(range(self.world)) if ranks is None else list(ranks)
+        late = late or {}
+        enters = {r: t + spread * r / max(1, self.world - 1) + late.get(r, 0.0) for r in ranks}
+        last = max(enters.values())
+        for r in ranks:
+            self.enter(r, seq, enters[r], op)
+        if finish:
+            for r in ranks:
+                self.start(r, seq, last)
+                self.end(r, seq, last + dur)
+        return last + dur
+
+    def steps(self, first_seq: int, n: int, t: float, period: float = 0.1, **kw) -> float:
+        """n healthy collectives first_seq.. first_seq+n-1, one every `period` s; returns the last end."""
+        end = t
+        for i in range(n):
+            end = self.collective(first_seq + i, t + i * period, **kw)
+        return end
+
+    def frames(self, t_send: float) -> List[bytes]:
+        return [a.frame(t_send) for a in self.agents if a.pending]
+
+    def feed(self, timeline, t_send: float) -> None:
+        """Ship everything pending to `timeline` as frames received at t_send."""
+        for f in self.frames(t_send):
+            timeline.ingest(ev.decode_batch(f), t_send)

@@ -1,0 +1,67 @@
+"""Findings are reported once, and their end is reported as a recovery."""
+import pytest
+
+from ccld.collector.timeline import Timeline
+from ccld.diagnose import Diagnoser
+from ccld.diagnose.findings import Finding, format_line
+from ccld.diagnose.tracker import FindingTracker
+
+from ccld_synth import T0, SynthJob
+
+pytestmark = pytest.mark.unit
+
+
+def finding(ranks=(2,), seq=57, cls="not-entered", detected=10.0):
+    return Finding(kind="hang", cls=cls, ranks=list(ranks), comm="job/gloo:0", seq=seq, op="allreduce",
+                   onset_at=1.0, detected_at=detected)
+
+
+def test_same_finding_is_reported_once():
+    tr = FindingTracker()
+    assert tr.update([finding()], 10.0) == ([finding()], [])
+    assert tr.update([finding(detected=10.5)], 10.5) == ([], [])
+    assert tr.update([finding(detected=11.0), finding(detected=11.0)], 11.0) == ([], [])
+
+
+def test_recovery_when_it_no_longer_holds():
+    tr = FindingTracker()
+    f = finding()
+    tr.update([f], 10.0)
+    new, rec = tr.update([], 12.5)
+    assert new == []
+    assert rec == [{"kind": "recovered", "id": f.id, "class": "not-entered", "ranks": [2], "comm": "job/gloo:0",
+                    "seq": 57, "recovered_at": 12.5}]
+    assert format_line(rec[0]).startswith("RECOVERED not-entered ranks [2] job/gloo:0 seq 57")
+    assert tr.update([], 13.0) == ([], [])
+    assert tr.update([f], 14.0) == ([f], [])  # it came back: say so again
+
+
+def test_changed_ranks_is_a_new_finding():
+    tr = FindingTracker()
+    tr.update([finding(ranks=(1, 2))], 10.0)
+    new, rec = tr.update([finding(ranks=(2,))], 11.0)
+    assert [f.ranks for f in new] == [[2]] and [r["ranks"] for r in rec] == [[1, 2]]
+
+
+def test_end_to_end_with_the_detector():
+    job, tl = SynthJob(), Timeline()
+    job.announce(T0)
+    t = job.steps(1, 56, T0 + 1) + 0.1
+    for r in (0, 1, 3):
+        job.enter(r, 57, t)
+    job.feed(tl, t + 1)
+    d, tr = Diagnoser(tl), FindingTracker()
+    reported, recovered = [], []
+    for i in range(40):  # 20 s of 0.5 s ticks
+        now = t + 0.5 * i
+        if i == 20:  # rank 2 finally arrives at t+10 and the collective completes
+            job.enter(2, 57, now)
+            for r in range(4):
+                job.end(r, 57, now + 0.01)
+            job.feed(tl, now + 0.02)
+        new, rec = tr.update(d.find_hangs(now), now)
+        reported += new
+        recovered += rec
+    assert [(f.cls, f.ranks, f.seq) for f in reported] == [("not-entered", [2], 57)]
+    assert reported[0].detected_at == pytest.approx(t + 5.5)
+    assert [(r["id"], r["recovered_at"]) for r in recovered] == [(reported[0].id, pytest.approx(t + 10))]
