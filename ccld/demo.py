@@ -81,8 +81,9 @@ def run(fault: str, ranks: int, seed: Optional[int], keep: Optional[str], say: C
                 time.sleep(1.0)  # let any companion findings arrive before we stop the job
                 break
     finally:
-        launch.stop_group(proc)
+        # Stop tracing first: the job's ranks dying under our own SIGTERM is not a finding.
         launch.close_session(session)
+        launch.stop_group(proc)
     named = found is not None and found.ranks == [bad_rank]
     if fault == "none":
         n = len(session.collector.findings)

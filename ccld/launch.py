@@ -107,6 +107,7 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
             time.sleep(0.1)
         if interrupted:
             say("ccld: interrupted; stopping the command")
+            session.agent.stop()  # before the ranks die: our own SIGTERM is not a finding
             stop_group(proc)
         return exit_status(proc.returncode)
     finally:

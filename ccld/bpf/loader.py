@@ -75,6 +75,7 @@ class Family:
         self.libs: Dict[str, Attachment] = {}       # library path -> probes attached for all processes
         self._plans: Dict[str, Tuple[List[Tuple[str, int, Probe]], List[str]]] = {}
         self._lock = threading.Lock()
+        self._lost_at_close = 0  # lost() after close(): the agent's final loss report comes after it
 
     # -- program -----------------------------------------------------------------------------
     def source_path(self) -> str:
@@ -117,7 +118,10 @@ class Family:
         self.bpf.ring_buffer_poll(timeout_ms)
 
     def lost(self) -> int:
-        """Records the kernel side could not reserve (ring buffer full), summed over CPUs."""
+        """Records the kernel side could not reserve (ring buffer full), summed over CPUs; once
+        closed, the count at close (the agent ships its final loss counters after closing us)."""
+        if self.bpf is None:
+            return self._lost_at_close
         return int(sum(self.bpf[b"lost"][ct.c_int(0)]))
 
     # -- attaching ---------------------------------------------------------------------------
@@ -225,6 +229,10 @@ class Family:
     def close(self) -> None:
         if self.bpf is None:
             return
+        try:
+            self._lost_at_close = self.lost()
+        except Exception:  # a map read failing here must not keep the probes attached
+            log.exception("%s: cannot read the loss counter at close", self.NAME)
         with self._lock:
             self.attached.clear()
             for att in self.libs.values():

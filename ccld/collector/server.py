@@ -28,6 +28,7 @@ from ccld.collector.timeline import Timeline
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import Finding, format_line
 from ccld.diagnose.tracker import FindingTracker
+from ccld.diagnose.hang import AGENT_SILENT_S
 from ccld.errors import CcldError
 
 log = logging.getLogger("ccld.collector")
@@ -79,6 +80,7 @@ class Collector:
         self.counters = IngestCounters()
         self.diagnoser = Diagnoser(self.timeline, floor_s=floor_s, k=k)
         self.tracker = FindingTracker()
+        self._silent_agents: set = set()
         self.findings: List[Finding] = []
         self.recoveries: List[Dict[str, Any]] = []
         self.endpoint: Optional[str] = None
@@ -238,6 +240,13 @@ class Collector:
         with self._lock:
             found = self.diagnoser.find_hangs(now)
             new, recovered = self.tracker.update(found, now)
+            silent = {a for a in self.timeline.agents if self.timeline.agent_is_silent(a, now, AGENT_SILENT_S)}
+        for a in sorted(silent - self._silent_agents):
+            self._say(f"ccld: agent {a} has been silent for {AGENT_SILENT_S:.0f} s: hang detection for its "
+                      "ranks is paused until it is back")
+        for a in sorted(self._silent_agents - silent):
+            self._say(f"ccld: agent {a} is back")
+        self._silent_agents = silent
         for f in new:
             self._emit(format_line(f), f.json_line())
             with self._out_lock:
@@ -250,6 +259,13 @@ class Collector:
             with self._out_lock:
                 if len(self.recoveries) < MAX_FINDINGS_KEPT:
                     self.recoveries.append(r)
+
+    def _say(self, line: str) -> None:
+        try:
+            self.on_line(line)
+        except Exception:
+            self.internal_errors += 1
+            log.exception("on_line callback failed")
 
     def _emit(self, line: str, json_line: str) -> None:
         with self._out_lock:

@@ -124,6 +124,12 @@ class Timeline:
     def ingest(self, batch: ev.Batch, recv_unix: float) -> None:
         agent = batch.agent
         info = self.agents.setdefault(agent, {"node": batch.node, "last_batch": 0, "frames": 0})
+        prev = info.get("last_recv")
+        if prev is not None and recv_unix >= prev:
+            # Typical gap between this agent's frames (EWMA): a live agent sends every 100 ms, so it
+            # is "silent" after a few seconds; a replayed or synthetic source with sparse frames is not.
+            gap = recv_unix - prev
+            info["gap_s"] = gap if "gap_s" not in info else 0.8 * info["gap_s"] + 0.2 * gap
         info["node"], info["last_recv"] = batch.node, recv_unix
         info["frames"] += 1
         if batch.batch == info["last_batch"] + 1 or info["frames"] == 1:
@@ -349,6 +355,14 @@ class Timeline:
     def agent_silent_s(self, agent: str, now: float) -> Optional[float]:
         info = self.agents.get(agent)
         return None if info is None or "last_recv" not in info else max(0.0, now - info["last_recv"])
+
+    def agent_is_silent(self, agent: str, now: float, floor_s: float) -> bool:
+        """True when the agent, which normally sends often, has sent nothing for far longer than usual:
+        more than max(floor_s, 10 x its typical frame gap)."""
+        info = self.agents.get(agent)
+        if info is None or "last_recv" not in info or "gap_s" not in info:
+            return False
+        return now - info["last_recv"] > max(floor_s, 10 * info["gap_s"])
 
     def counters(self) -> Dict[str, Any]:
         """JSON-ready counters for stats.json and `ccld diagnose`."""

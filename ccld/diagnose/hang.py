@@ -13,8 +13,8 @@ Thresholds adapt to the job: max(floor_s, k x the largest arrival spread (last e
 for (a), max(floor_s, k x the largest duration (last end - last enter)) for (b), over the
 communicator's collectives completed in the last hour (Timeline.recent_peaks), so a rank that
 regularly arrives late (checkpointing on rank 0) is not called hung. Times: Unix seconds.
-Caveat: a rank whose agent went silent looks like a rank that has not entered; the evidence says
-how long its agent has been silent.
+A rank whose agent went silent (killed, partitioned) would look like a rank that has not entered,
+so a communicator with such a member is not judged until its agent speaks again (AGENT_SILENT_S).
 """
 from __future__ import annotations
 
@@ -25,6 +25,19 @@ from ccld.diagnose.findings import STATE_NAMES, Finding
 
 FLOOR_S = 5.0   # never call a hang before this: agents ship every 100 ms; 5 s is far above any jitter
 K = 4.0         # x the job's own worst recent spread/duration
+AGENT_SILENT_S = 3.0  # agents send a frame every 100 ms; 3 s without one means we are blind there
+
+
+def blind_members(tl: Timeline, comm: Comm, members: Set[int], now: float) -> List[int]:
+    """Members whose agent has been silent for longer than AGENT_SILENT_S."""
+    out = []
+    for r in members:
+        rec = tl.rank_record(comm.job, r)
+        if rec is None or rec.exited():
+            continue
+        if tl.agent_is_silent(rec.agent, now, AGENT_SILENT_S):
+            out.append(r)
+    return sorted(out)
 
 
 def _r(x: Optional[float], nd: int = 6) -> Optional[float]:
@@ -77,6 +90,8 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k
     expected = tl.expected_members(comm.id)
     if view is None or len(expected) < 2 or not view.enter:
         return None  # a group of one cannot wait on a peer
+    if blind_members(tl, comm, expected, now):
+        return None  # we cannot tell "has not entered" from "its events cannot reach us"
     spread_peak, dur_peak = tl.recent_peaks(comm.id, now)
     entered = expected & view.enter.keys()
     missing = expected - entered

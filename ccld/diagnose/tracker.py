@@ -5,7 +5,9 @@ turns that into events: a finding whose key (class, comm, seq, ranks) was not ac
 active key that no longer comes back (ranks entered, the collective completed) is recovered.
 Times: `now` is Unix seconds. Caveat: a finding whose blamed ranks change (rank 1 of [1, 2]
 arrives) is a recovery of the old key and a new finding for the new one; that is on purpose, the
-line the user read is no longer true.
+line the user read is no longer true. But when the same collective is still stuck and only the
+class changes (the hung rank was then stopped or died: not-entered -> fault), the new finding
+supersedes the old one silently: nothing recovered.
 """
 from __future__ import annotations
 
@@ -30,7 +32,10 @@ class FindingTracker:
             if k not in self.active:
                 self.active[k] = f
                 new.append(f)
-        recovered = [recovery_record(f, now) for k, f in self.active.items() if k not in seen]
-        for k in [k for k in self.active if k not in seen]:
+        still_stuck = {(f.comm, f.seq, tuple(f.ranks)) for f in seen.values()}
+        gone = [k for k in self.active if k not in seen]
+        recovered = [recovery_record(self.active[k], now) for k in gone
+                     if (k[1], k[2], k[3]) not in still_stuck]
+        for k in gone:
             del self.active[k]
         return new, recovered

@@ -75,6 +75,7 @@ class Agent:
         self.bpf_problem: Optional[EnvironmentProblem] = None
         self._not_ranks: Dict[Tuple[int, str], None] = {}
         self._stop = threading.Event()
+        self._stopped = False
         self._thread: Optional[threading.Thread] = None
         self.shipper = Shipper(endpoint, self.agent_id, self.node, extra_loss=self._loss)
 
@@ -111,9 +112,13 @@ class Agent:
         return self
 
     def stop(self) -> None:
+        """Detach, flush and close. Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(10)
+            self._thread.join(30)
         for fam, _ in self.families:
             try:
                 fam.poll(0)

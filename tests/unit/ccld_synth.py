@@ -106,7 +106,9 @@ class SynthJob:
         return end
 
     def frames(self, t_send: float) -> List[bytes]:
-        return [a.frame(t_send) for a in self.agents if a.pending]
+        # Every agent sends a frame each time, events or not, as the real agent does (its clock
+        # sample every 100 ms); a node that stops sending is what "silent agent" means.
+        return [a.frame(t_send) for a in self.agents]
 
     def feed(self, timeline, t_send: float) -> None:
         """Ship everything pending to `timeline` as frames received at t_send."""

@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+from ccld import events as ev
+
 from ccld.collector.timeline import Timeline
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import Finding, format_line
@@ -172,7 +174,8 @@ def test_long_collectives_learned_earlier_raise_the_inside_threshold():
     job, tl, t = run_to(20, dur=3.0)  # every allreduce takes 3 s (big tensors, slow network)
     for r in range(4):
         job.enter(r, 21, t)
-    job.feed(tl, t + 1)
+    for i in range(1, 13):  # agents keep sending while the ranks are inside (heartbeat frames)
+        job.feed(tl, t + i)
     assert hangs(tl, t + 11) == []
     assert hangs(tl, t + 12.5)[0].evidence["threshold_s"] == pytest.approx(12.0, abs=0.01)
 
@@ -191,3 +194,19 @@ def test_format_line_stays_within_100_columns():
                 evidence={"reason": "not-entered", "ranks": [{"rank": 0, "state": "D", "wchan": "x" * 60,
                                                               "last_entered": {"seq": 123455}}] * 40})
     assert len(format_line(f)) <= 100
+
+
+def test_ranks_of_a_silent_agent_are_not_judged():
+    # rank 2's agent (agent-1) dies while ranks 0, 1, 3 wait: "not entered" or "its events cannot
+    # reach us"? ccld cannot tell, so it says nothing until that agent speaks again.
+    job, tl, t = run_to(56)
+    for r in (0, 1, 3):
+        job.enter(r, 57, t)
+    for i in range(1, 4):
+        job.feed(tl, t + 0.1 * i)
+    for i in range(1, 80):  # only agent-0 (ranks 0, 1) keeps sending
+        now = t + 0.3 + 0.1 * i
+        tl.ingest(ev.decode_batch(job.agents[0].frame(now)), now)
+    assert hangs(tl, t + 8) == []
+    job.feed(tl, t + 8.1)  # agent-1 is back (rank 2 still has not entered)
+    assert [f.ranks for f in hangs(tl, t + 8.2)] == [[2]]

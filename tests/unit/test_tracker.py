@@ -65,3 +65,14 @@ def test_end_to_end_with_the_detector():
     assert [(f.cls, f.ranks, f.seq) for f in reported] == [("not-entered", [2], 57)]
     assert reported[0].detected_at == pytest.approx(t + 5.5)
     assert [(r["id"], r["recovered_at"]) for r in recovered] == [(reported[0].id, pytest.approx(t + 10))]
+
+
+def test_class_change_on_the_same_ranks_supersedes_without_recovery():
+    # the hung rank is later stopped or dies: not-entered -> fault, same collective, same ranks
+    tr = FindingTracker()
+    tr.update([finding(ranks=(1,))], 10.0)
+    f2 = finding(ranks=(1,), cls="fault")
+    new, rec = tr.update([f2], 11.0)
+    assert [f.cls for f in new] == ["fault"] and rec == []
+    new, rec = tr.update([], 12.0)
+    assert new == [] and [r["class"] for r in rec] == ["fault"]
