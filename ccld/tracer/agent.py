@@ -177,10 +177,13 @@ class Agent:
                 self._not_ranks[key] = None
                 continue
             self._add(ident)
+        dead = [pid for pid in self.ranks if not discover.alive(pid)]
+        if dead:  # drain first: forgetting a pid drops its records, and a dead rank's last ones matter most
+            for fam, _ in self.families:
+                fam.poll(0)
+        for pid in dead:
+            self._forget(pid, reason="exited", exited=True)
         for pid, r in list(self.ranks.items()):
-            if not discover.alive(pid):
-                self._forget(pid, reason="exited", exited=True)
-                continue
             self._try_attach(r)
             if now - r.last_state_at >= PROC_INTERVAL_S:
                 st = procstate.read_state(pid)

@@ -6,6 +6,7 @@ job itself stands in for a user's script that ccld knows nothing about:
   --hang-rank R --hang-step K    rank R sleeps forever before step K (a "not-entered" hang)
   --pause-step K --pause-s S     every rank sleeps S seconds before step K (a healthy long step)
   --wait-file F                  block after init until F exists (lets a tracer attach first)
+  --progress-every N             print "rank R step N t UNIX" every N steps (tests watch these)
 Prints one line per rank at the end: "rank R done: N steps, ops {op: count}".
 """
 import argparse
@@ -28,6 +29,7 @@ def main() -> int:
     ap.add_argument("--pause-step", type=int, default=-1)
     ap.add_argument("--pause-s", type=float, default=0)
     ap.add_argument("--wait-file", default="")
+    ap.add_argument("--progress-every", type=int, default=0, help="print 'rank R step N t T' every N steps")
     ap.add_argument("--timeout-s", type=float, default=1800)
     a = ap.parse_args()
 
@@ -86,6 +88,8 @@ def main() -> int:
         if a.step_sleep_ms:
             time.sleep(a.step_sleep_ms / 1e3)
         step += 1
+        if a.progress_every and step % a.progress_every == 0:
+            print(f"rank {rank} step {step} t {time.time():.3f}", flush=True)
     print(f"rank {rank} done: {step} steps, ops {counts}", flush=True)
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,322 @@
+"""The gloo probe family through the whole pipeline: a real torchrun job (4 CPU ranks over gloo), the
+real Agent with its eBPF uprobes, and an in-process Collector over ZeroMQ on a random 127.0.0.1 port.
+
+What the job does is known exactly (ccld/workloads/gloo_job.py), so the tests count every event. Each
+step of `--ops allreduce,broadcast,allgather,barrier,sendrecv` uses 6 of c10d's per-group sequence
+numbers: 4 collectives, then send and recv (c10d numbers p2p calls too, and the translator reports
+them as P2P, not as collectives). Seen on torch 2.13: the default group's first collective is seq 1
+and neither init_process_group (a store-based barrier) nor destroy_process_group adds any, so the
+collective seqs of a job are exactly 1 + 6*step + {0, 1, 2, 3}.
+Every process started here is killed (its whole session) even when an assertion fails.
+"""
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+import pytest
+
+from conftest import GLOO_JOB, ROOT, gloo_job_cmd
+
+pytestmark = pytest.mark.bpf
+
+WORLD = 4
+OPS = "allreduce,broadcast,allgather,barrier,sendrecv"
+COLL_OPS = ("allreduce", "broadcast", "allgather", "barrier")  # in the order a step calls them
+SEQS_PER_STEP = 6          # the 4 collectives + send + recv
+STEPS = 23                 # prime: a lost or duplicated event cannot hide in a multiple
+LONG_STEPS = 400           # the attach-mid-run job: ~10-30 s here, long enough to attach into
+ATTACH_TIMEOUT_S = 120     # torchrun start + symbol scan of libtorch_cpu.so, on a loaded 2-core box
+JOB_TIMEOUT_S = 300
+SETTLE_TIMEOUT_S = 15      # agent stopped -> its last frame reaches the collector
+RUNNING_WAIT_S = 3.0       # after libtorch is mapped in every rank, the job is well into its steps
+
+
+def expected_op(seq: int) -> Optional[str]:
+    """The collective the workload calls at c10d seq `seq`, or None for a send/recv seq."""
+    j = (seq - 1) % SEQS_PER_STEP
+    return COLL_OPS[j] if j < len(COLL_OPS) else None
+
+
+def job_colls(steps: int) -> Dict[int, str]:
+    return {1 + SEQS_PER_STEP * s + j: op for s in range(steps) for j, op in enumerate(COLL_OPS)}
+
+
+class Pipeline:
+    """Collector + torchrun job + agent of one test; close() undoes all of it, in that order reversed."""
+
+    def __init__(self, tmp_path, job_env):
+        from ccld.collector.server import Collector
+        self.tmp, self.env = tmp_path, job_env
+        self.lines: List[str] = []   # what the agent and the collector said
+        self.collector = Collector(listen="tcp://127.0.0.1:*", on_line=self.lines.append).start()
+        self.proc: Optional[subprocess.Popen] = None
+        self.agent = None
+        self.out_path = str(tmp_path / "torchrun.out")
+        self.port = None
+
+    def start_job(self, *args, torchrun_args=()) -> subprocess.Popen:
+        cmd = gloo_job_cmd(WORLD, *args)
+        self.port = int(cmd[cmd.index("--master-port") + 1])
+        at = cmd.index(GLOO_JOB)
+        cmd[at:at] = list(torchrun_args)
+        with open(self.out_path, "w") as out:  # torchrun relays the workers' stdout/stderr
+            self.proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return self.proc
+
+    def make_agent(self, **kw):
+        from ccld.tracer.agent import Agent
+        self.agent = Agent(self.collector.endpoint, say=self.lines.append, **kw)
+        self.agent.load()
+        assert self.agent.bpf_problem is None, f"eBPF did not load: {self.agent.bpf_problem}"
+        assert any(fam.NAME == "gloo" for fam, _ in self.agent.families), self.agent.sources
+        return self.agent
+
+    def output(self, tail: int = 6000) -> str:
+        try:
+            with open(self.out_path, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return "<no torchrun output>"
+        return text[-tail:]
+
+    def job_pids(self) -> List[int]:
+        """The job's rank processes (RANK and WORLD_SIZE in their environment)."""
+        from ccld.tracer import discover
+        return sorted(p for p in discover.descendants(self.proc.pid, discover.all_pids())
+                      if discover.identify(p) is not None)
+
+    def wait_for(self, what: str, cond, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if self.proc is not None and self.proc.poll() is not None:
+                pytest.fail(f"the job exited (rc {self.proc.returncode}) while waiting for {what}\n"
+                            f"{self.output()}\nagent: {self.lines}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {timeout_s} s\n{self.output()}\nagent: {self.lines}")
+            time.sleep(0.1)
+
+    def attached(self) -> List[int]:
+        return [p for p, r in list(self.agent.ranks.items()) if "gloo" in r.attached]
+
+    def wait_attached(self) -> None:
+        self.wait_for(f"gloo probes on all {WORLD} ranks", lambda: len(self.attached()) == WORLD,
+                      ATTACH_TIMEOUT_S)
+
+    def wait_job(self) -> int:
+        try:
+            return self.proc.wait(JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not finish within {JOB_TIMEOUT_S} s\n{self.output()}")
+
+    def finish_tracing(self):
+        """Stop the agent (detach, final flush), wait until the collector has every frame it sent,
+        stop the collector; return the timeline, now safe to read from this thread."""
+        self.agent.stop()
+        sent, aid, col = self.agent.shipper.sent_frames, self.agent.agent_id, self.collector
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        got = 0
+        while time.monotonic() < deadline:
+            with col._lock:  # the timeline belongs to the ingest thread while the collector runs
+                got = col.timeline.agents.get(aid, {}).get("frames", 0)
+            if got >= sent:
+                break
+            time.sleep(0.05)
+        col.stop()
+        assert got == sent, f"the collector got {got} of the agent's {sent} frames"
+        assert col.counters.frames_rejected == {} and col.counters.bad_events == {}, col.counters.to_dict()
+        return col.timeline
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # torchrun and every rank (its own session)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        if self.agent is not None:
+            self.agent.stop()
+        self.collector.stop()
+
+
+@pytest.fixture
+def pipeline(need_bpf, tmp_path, job_env):
+    p = Pipeline(tmp_path, job_env)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def the_comm(tl, port: int):
+    """The job's one gloo communicator: the default group, named <job>/gloo:0 (job = master addr:port)."""
+    want = f"127.0.0.1:{port}/gloo:0"
+    assert list(tl.comms) == [want], f"communicators: {list(tl.comms)}"
+    return tl.comms[want]
+
+
+def assert_no_loss(tl) -> None:
+    """The agent's final loss report: present for the gloo family, and all zero."""
+    assert len(tl.agent_loss) == 1, f"loss reports: {tl.agent_loss}"
+    loss = next(iter(tl.agent_loss.values()))
+    assert "gloo_ringbuf_lost" in loss, f"the final loss report lacks the ring-buffer counter: {loss}"
+    bad = {k: v for k, v in loss.items() if v and k != "gloo_unmatched"}
+    assert not bad, f"events were lost or malformed: {loss}"
+
+
+def describe(view) -> str:
+    return (f"seq {view.seq}: ops {dict(sorted(view.ops.items()))} enter {sorted(view.enter)} "
+            f"start {sorted(view.start)} end {sorted(view.end)} failed {sorted(view.failed)}")
+
+
+def test_exact_counts_and_matching(pipeline, tmp_path):
+    """23 steps of every op, traced from before the first collective: every event exactly once."""
+    go = tmp_path / "go"
+    proc = pipeline.start_job("--steps", STEPS, "--ops", OPS, "--wait-file", go)
+    pipeline.make_agent(root_pid=proc.pid).start()
+    pipeline.wait_attached()
+    go.touch()
+    rc = pipeline.wait_job()
+    assert rc == 0, f"job failed (rc {rc}):\n{pipeline.output()}"
+    tl = pipeline.finish_tracing()
+
+    want = {(r, op): STEPS for r in range(WORLD) for op in COLL_OPS}
+    assert dict(tl.enter_counts) == want, f"CollEnter counts: {sorted(tl.enter_counts.items())}"
+    assert dict(tl.end_counts) == want, f"WorkEnd counts: {sorted(tl.end_counts.items())}"
+    want_p2p = {(r, op): STEPS for r in range(WORLD) for op in ("send", "recv")}
+    assert dict(tl.p2p_counts) == want_p2p, f"P2P counts: {sorted(tl.p2p_counts.items())}"
+
+    comm = the_comm(tl, pipeline.port)
+    assert comm.group_size == WORLD and comm.members == set(range(WORLD))
+    want_seqs = job_colls(STEPS)
+    got_seqs = {s: v.op for s, v in comm.colls.items()}
+    assert got_seqs == want_seqs, (f"collective seqs differ from the workload's: missing "
+                                   f"{sorted(set(want_seqs) - set(got_seqs))}, extra "
+                                   f"{sorted(set(got_seqs) - set(want_seqs))}, wrong op "
+                                   f"{[(s, got_seqs[s], want_seqs[s]) for s in sorted(set(got_seqs) & set(want_seqs)) if got_seqs[s] != want_seqs[s]]}")
+    everyone = set(range(WORLD))
+    bad = [describe(v) for v in comm.colls.values()
+           if not (set(v.enter) == set(v.start) == set(v.end) == everyone) or v.failed
+           or set(v.ops.values()) != {want_seqs[v.seq]} or v.completed_at is None]
+    assert not bad, "collectives not matched across all ranks:\n" + "\n".join(bad[:20])
+    assert comm.completed == len(want_seqs)
+    assert not tl.anomalies, f"timeline anomalies: {dict(tl.anomalies)}"
+    assert_no_loss(tl)
+    assert next(iter(tl.agent_loss.values())).get("gloo_unmatched") == 0
+
+
+def test_attach_to_running_job(pipeline):
+    """Attached mid-run, the ranks' own seqs still join them: same seq, same op, every rank there."""
+    proc = pipeline.start_job("--steps", LONG_STEPS, "--step-sleep-ms", 20, "--ops", OPS)
+    # Compile the programs while the job starts (1-2 s); attaching happens at start(), below.
+    agent = pipeline.make_agent(pids=[proc.pid])
+    from ccld.bpf.gloo import GlooFamily
+    lib_of = GlooFamily(lambda *_: None).find_lib
+    pipeline.wait_for("4 ranks with libtorch mapped", lambda: len(
+        [p for p in pipeline.job_pids() if lib_of(p)]) == WORLD, ATTACH_TIMEOUT_S)
+    time.sleep(RUNNING_WAIT_S)  # init_process_group is done and the steps are running
+    assert proc.poll() is None, f"the job ended before we attached:\n{pipeline.output()}"
+    agent.start()
+    pipeline.wait_attached()
+    rc = pipeline.wait_job()
+    assert rc == 0, f"job failed (rc {rc}):\n{pipeline.output()}"
+    tl = pipeline.finish_tracing()
+
+    comm = the_comm(tl, pipeline.port)
+    everyone = set(range(WORLD))
+    full = sorted(s for s, v in comm.colls.items() if set(v.enter) == everyone)
+    assert full, f"no collective seen on all ranks; seqs {list(comm.colls)[:20]}"
+    first = full[0]
+    assert first > 1, "the agent attached before the job's first collective: this test did not attach mid-run"
+    # Before `first`, the ranks were being added one by one (a few ms apart): a collective may lack
+    # the ranks not traced yet. The ops of those that did report it must still agree with the seq.
+    wrong_op = [describe(v) for v in comm.colls.values()
+                if any(op != expected_op(v.seq) for op in v.ops.values()) or v.op != expected_op(v.seq)]
+    assert not wrong_op, "same seq, different op (off by one?):\n" + "\n".join(wrong_op[:20])
+    want = {s: op for s, op in job_colls(LONG_STEPS).items() if s >= first}
+    got = {s: v.op for s, v in comm.colls.items() if s >= first}
+    assert got == want, (f"from seq {first} on: missing {sorted(set(want) - set(got))[:20]}, "
+                         f"extra {sorted(set(got) - set(want))[:20]}")
+    bad = [describe(comm.colls[s]) for s in want
+           if not (set(comm.colls[s].enter) == set(comm.colls[s].end) == everyone) or comm.colls[s].failed]
+    assert not bad, f"collectives from seq {first} on not matched across all ranks:\n" + "\n".join(bad[:20])
+    early = [describe(v) for s, v in comm.colls.items() if s < first]
+    assert all(set(v.end) <= set(v.enter) for v in comm.colls.values()), "\n".join(early)
+    last = max(job_colls(LONG_STEPS))
+    assert comm.max_seq == last, f"last seq {comm.max_seq}, the workload's last collective is {last}"
+    assert not tl.anomalies, f"timeline anomalies: {dict(tl.anomalies)}"
+    assert_no_loss(tl)
+
+
+def test_hang_timeout_is_a_python_error(pipeline, tmp_path):
+    """A gloo timeout under our probes stays the job's normal RuntimeError (entry-only probes: no
+    uretprobe frame for the C++ exception to unwind through), and we see it as WorkEnd(ok=False)."""
+    go, logs = tmp_path / "go", tmp_path / "logs"
+    hang_rank, hang_step = 3, 5
+    # --tee: each rank's stdout/stderr also in its own file under --log-dir. --monitor-interval 3:
+    # torchrun SIGTERMs the others at its first look after a failure; the three timeouts fire within
+    # milliseconds of each other, and this lets each rank print its error before being stopped.
+    proc = pipeline.start_job("--steps", STEPS, "--ops", OPS, "--wait-file", go, "--timeout-s", 3,
+                              "--hang-rank", hang_rank, "--hang-step", hang_step,
+                              torchrun_args=["--log-dir", str(logs), "--tee", "3", "--monitor-interval", "3"])
+    pipeline.make_agent(root_pid=proc.pid).start()
+    pipeline.wait_attached()
+    go.touch()
+    rc = pipeline.wait_job()
+    out = pipeline.output(tail=100_000)
+    assert rc != 0, f"torchrun exited 0 although rank {hang_rank} hung:\n{out[-6000:]}"
+    tl = pipeline.finish_tracing()
+
+    assert "terminate called" not in out, f"a rank died in std::terminate:\n{out[-6000:]}"
+    assert "SIGABRT" not in out and "Signal 6 " not in out, f"a rank died of SIGABRT:\n{out[-6000:]}"
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)]
+    assert -signal.SIGABRT not in codes, f"exit codes {codes}:\n{out[-6000:]}"
+    for r in range(WORLD):
+        if r == hang_rank:
+            continue
+        found = glob.glob(str(logs / "*" / "attempt_0" / str(r) / "stderr.log"))
+        assert len(found) == 1, f"rank {r}'s stderr log: {found} under {logs}"
+        with open(found[0], errors="replace") as f:
+            err = f.read()
+        assert "RuntimeError" in err, f"rank {r} did not fail with gloo's RuntimeError:\n{err[-3000:]}"
+        assert "terminate called" not in err, f"rank {r}:\n{err[-3000:]}"
+
+    comm = the_comm(tl, pipeline.port)
+    hung = 1 + SEQS_PER_STEP * hang_step  # the first collective of the step rank 3 never starts
+    assert hung in comm.colls, f"no collective at seq {hung}; last seqs {list(comm.colls)[-8:]}"
+    view = comm.colls[hung]
+    others = set(range(WORLD)) - {hang_rank}
+    assert set(view.enter) == set(view.end) == set(view.failed) == others, describe(view)
+    assert set(view.ops.values()) == {expected_op(hung)}, describe(view)
+    assert all("finishWorkGlooError" in why for why in view.failed.values()), view.failed
+    assert comm.last_entered[hang_rank][0] == hung - 3, (  # its last: the barrier of step 4
+        f"rank {hang_rank} last entered {comm.last_entered[hang_rank]}")
+    before = [describe(v) for s, v in comm.colls.items()
+              if s < hung and (set(v.end) != set(range(WORLD)) or v.failed)]
+    assert not before, "collectives before the hang did not all complete:\n" + "\n".join(before)
+    assert_no_loss(tl)
+
+
+@pytest.mark.unit
+def test_agent_ebpf_prints_programs():
+    """`ccld agent --ebpf` prints each family's final program with its cflags; needs no root."""
+    bpf_dir = os.path.join(ROOT, "ccld", "bpf")
+    res = subprocess.run([sys.executable, "-m", "ccld.cli", "agent", "--ebpf"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, f"rc {res.returncode}\n{res.stderr[-3000:]}"
+    parts = re.split(r"^(?=// cflags: )", res.stdout, flags=re.M)
+    programs = [p for p in parts if p.strip()]
+    assert len(programs) == 2, f"expected 2 programs, got {len(programs)}:\n{res.stdout[:2000]}"
+    for text, name, header in zip(programs, ("gloo.bpf.c", "nccl.bpf.c"),
+                                  ("/* gloo.bpf.c: collectives of PyTorch's gloo backend",
+                                   "/* nccl.bpf.c: the host-side API of NCCL")):
+        cflags, _, body = text.partition("\n")
+        assert f"-I{bpf_dir}" in cflags.split(), f"{name}: cflags line {cflags!r}"
+        assert body.startswith(header), f"{name}: program starts {body[:200]!r}"
+        with open(os.path.join(bpf_dir, name)) as f:
+            assert body.rstrip("\n") == f.read().rstrip("\n"), f"{name}: printed program differs from the file"
