@@ -90,6 +90,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `ccld diagnose --json | head`: the reader is done, so are we
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

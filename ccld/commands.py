@@ -77,7 +77,7 @@ def cmd_run(args) -> int:
 
 def cmd_diagnose(args) -> int:
     from ccld.diagnose.findings import format_line
-    from ccld.diagnose.replay import replay
+    from ccld.diagnose.replay import format_report, replay
     _timeline, findings, recoveries, report = replay(args.store, floor_s=args.hang_after)
     if args.json:
         for f in findings:
@@ -85,21 +85,15 @@ def cmd_diagnose(args) -> int:
         for r in recoveries:
             print(json.dumps(r))
         return 0
-    for line in _report_lines(report):
+    for line in format_report(report):
         print(line)
     if not findings:
         print("no findings")
     for f in findings:
         print(format_line(f))
     for r in recoveries:
-        print(f"recovered: {r.get('class')} ranks {r.get('ranks')} {r.get('comm')} seq {r.get('seq')}")
+        print(format_line(r))
     return 0
-
-
-def _report_lines(report) -> list:
-    if isinstance(report, dict):
-        return [f"{k}: {v}" for k, v in report.items() if v not in (None, {}, [], 0)]
-    return [str(report)] if report else []
 
 
 def cmd_demo(args) -> int:

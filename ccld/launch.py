@@ -101,8 +101,10 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
             raise CcldError(f"cannot start {cmd[0]!r}: {e.strerror}") from None
         session.agent.root_pid = proc.pid
         session.agent.start()
-        say(f"ccld: tracing `{shlex.join(cmd)[:60]}` (pid {proc.pid}); sources: "
-            f"{', '.join(session.agent.sources)}; collector {session.endpoint}. Ctrl-C to end")
+        shown = shlex.join([os.path.basename(cmd[0])] + cmd[1:])
+        shown = shown if len(shown) <= 48 else shown[:47] + "…"
+        say(f"ccld: tracing `{shown}` (pid {proc.pid}); sources: {', '.join(session.agent.sources)}. "
+            "Ctrl-C to end")
         while proc.poll() is None and not interrupted:
             time.sleep(0.1)
         if interrupted:

@@ -14,6 +14,7 @@ that protects our memory and is far above any real frame (events.MAX_FRAME_BYTES
 from __future__ import annotations
 
 import json
+import os
 import logging
 import threading
 import time
@@ -72,8 +73,9 @@ class Collector:
                  findings_path: Optional[str] = None, on_line: Callable[[str], Any] = print,
                  floor_s: float = 5.0, k: float = 4.0, tick_s: float = TICK_S):
         self.listen = listen
-        self.store_dir = store_dir
-        self.findings_path = findings_path
+        # absolute now: bcc chdir()s while it compiles, and the ingest thread may write meanwhile
+        self.store_dir = os.path.abspath(store_dir) if store_dir else None
+        self.findings_path = os.path.abspath(findings_path) if findings_path else None
         self.on_line = on_line
         self.tick_s = tick_s
         self.timeline = Timeline()

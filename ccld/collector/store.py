@@ -104,7 +104,7 @@ class StoreWriter:
 
     def __init__(self, store_dir: str, segment_bytes: int = SEGMENT_BYTES,
                  flush_interval_s: float = FLUSH_INTERVAL_S, clock=time.monotonic):
-        self.dir = store_dir
+        self.dir = store_dir = os.path.abspath(store_dir)  # bcc chdir()s while compiling: never rely on cwd
         self.segment_bytes = segment_bytes
         self.flush_interval_s = flush_interval_s
         self._clock = clock

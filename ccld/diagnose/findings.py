@@ -89,11 +89,16 @@ def rank_detail(r: Dict[str, Any], compact: int = 0) -> str:
     return text
 
 
+def short_comm(comm: str) -> str:
+    """`host:port/gloo:0` -> `gloo:0`: the job prefix is in the JSON; on the terminal it only costs width."""
+    return comm.rsplit("/", 1)[-1] if comm else comm
+
+
 def format_line(f: Union[Finding, Dict[str, Any]]) -> str:
     """One readable line for a Finding or a recovery record, made more compact until it fits LINE_COLS."""
     if isinstance(f, dict):
         if f.get("kind") == "recovered":
-            line = (f"RECOVERED {f.get('class')} ranks {_ranks_text(f.get('ranks') or [])} {f.get('comm')} "
+            line = (f"RECOVERED {f.get('class')} ranks {_ranks_text(f.get('ranks') or [])} {short_comm(f.get('comm'))} "
                     f"seq {f.get('seq')} ({f.get('id')})")
             return line if len(line) <= LINE_COLS else line[:LINE_COLS - 3] + "..."
         raise TypeError("format_line takes a Finding or a recovery record")
@@ -105,7 +110,7 @@ def format_line(f: Union[Finding, Dict[str, Any]]) -> str:
     for compact in range(6):
         verb = ("inside for " if inside else "waiting ") if compact < 4 else ""
         head = (f"{f.kind.upper()} {f.cls} {'ranks ' if compact < 3 else ''}{_ranks_text(f.ranks)} "
-                f"{f.comm} seq {f.seq} {f.op}: {verb}{waited:.1f} s")
+                f"{short_comm(f.comm)} seq {f.seq} {f.op}: {verb}{waited:.1f} s")
         parts = [head]
         if ev.get("reason") == "not-started":
             parts.append("never started it")

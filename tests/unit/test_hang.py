@@ -71,7 +71,7 @@ def test_rank_that_never_enters_is_named():
     assert r2["pid"] == 1002 and r2["node"] == "node1" and r2["stopped"] is False
     line = format_line(f)
     assert len(line) <= 100
-    for part in ("HANG not-entered", "[2]", "job/gloo:0", "seq 57", "allreduce", "6.2 s", "rank 2 S",
+    for part in ("HANG not-entered", "[2]", "gloo:0", "seq 57", "allreduce", "6.2 s", "rank 2 S",
                  "hrtimer_nanosleep", "seq 56"):
         assert part in line, (part, line)
 

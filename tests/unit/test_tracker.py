@@ -31,7 +31,7 @@ def test_recovery_when_it_no_longer_holds():
     assert new == []
     assert rec == [{"kind": "recovered", "id": f.id, "class": "not-entered", "ranks": [2], "comm": "job/gloo:0",
                     "seq": 57, "recovered_at": 12.5}]
-    assert format_line(rec[0]).startswith("RECOVERED not-entered ranks [2] job/gloo:0 seq 57")
+    assert format_line(rec[0]).startswith("RECOVERED not-entered ranks [2] gloo:0 seq 57")
     assert tr.update([], 13.0) == ([], [])
     assert tr.update([f], 14.0) == ([f], [])  # it came back: say so again
 
