@@ -56,24 +56,34 @@ def close_session(s: Session) -> None:
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """Stop the command's whole process group: SIGCONT (a stopped rank cannot die), SIGTERM, SIGKILL."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    for sig in (signal.SIGCONT, signal.SIGTERM):
+    """Stop the command and everything it started: SIGCONT (a stopped rank cannot die), SIGTERM,
+    then SIGKILL after STOP_GRACE_S. torchrun puts each worker in a session of its own, so the
+    command's process group is not enough: every descendant is signalled too."""
+    from ccld.tracer.discover import descendants
+    family = descendants(proc.pid) | {proc.pid}
+
+    def signal_all(sig):
+        for pid in family:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    signal_all(signal.SIGCONT)
+    try:
+        os.kill(proc.pid, signal.SIGTERM)  # torchrun forwards it to its workers and reports
+    except ProcessLookupError:
+        pass
     try:
         proc.wait(STOP_GRACE_S)
     except subprocess.TimeoutExpired:
         pass
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    family |= descendants(proc.pid)
+    signal_all(signal.SIGKILL)
     proc.wait()
 
 

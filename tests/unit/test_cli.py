@@ -1,0 +1,55 @@
+"""The command line: clear one-line errors for bad input and missing privileges, no tracebacks."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ccld.tracer.agent import Agent
+
+pytestmark = pytest.mark.unit
+CCLD = [sys.executable, "-m", "ccld.cli"]
+
+
+def ccld(*args, timeout=60):
+    return subprocess.run(CCLD + list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_without_a_command_says_what_to_do():
+    r = ccld("run", "--")
+    assert r.returncode == 1
+    assert "nothing to run" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_diagnose_of_a_missing_store_names_it(tmp_path):
+    r = ccld("diagnose", str(tmp_path / "nope"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert str(tmp_path / "nope") in r.stderr
+
+
+def test_agent_for_a_vanished_pid_is_a_clear_error():
+    r = ccld("agent", "--pid", "999999999", "--collector", "tcp://127.0.0.1:1")
+    assert r.returncode == 1 and "no process with pid 999999999" in r.stderr
+
+
+def test_agent_needs_a_target():
+    r = ccld("agent", "--collector", "tcp://127.0.0.1:1")
+    assert r.returncode == 1 and "--pid" in r.stderr and "--discover" in r.stderr
+
+
+def test_without_root_the_agent_says_once_what_is_missing(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    lines = []
+    a = Agent("tcp://127.0.0.1:1", pids=[os.getpid()], say=lines.append)
+    try:
+        a.load()
+        assert a.sources == ["proc"] and a.families == []
+        assert len(lines) == 1
+        assert "eBPF probes are off" in lines[0] and "fix:" in lines[0] and "/proc only" in lines[0]
+    finally:
+        a.shipper.close(timeout_s=0)
+
+
+def test_help_has_examples():
+    r = ccld("--help")
+    assert r.returncode == 0 and "examples:" in r.stdout and "ccld run -- torchrun" in r.stdout
