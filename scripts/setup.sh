@@ -27,9 +27,9 @@ if [[ ! -x .venv/bin/python ]]; then
   say "creating .venv with $($PY --version)"
   $PY -m venv .venv
 fi
-say "installing ccld, torch==2.13.0 (CPU) and test tools into .venv"
+say "installing ccld, torch==2.13.0 (CPU), NCCL's library (for the probe tests; no GPU needed) and test tools into .venv"
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q torch==2.13.0 -e '.[test]'
+.venv/bin/pip install -q torch==2.13.0 nvidia-nccl-cu12==2.32.3 -e '.[test]'
 
 # bcc ships as a Debian Python package; link it into the venv instead of exposing all of dist-packages.
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -1,0 +1,95 @@
+"""The agent finds ranks from /proc alone: ranks that start later, ranks that exit, and forked
+children of a rank (DataLoader workers) that are not ranks. Real processes, real ZeroMQ; no eBPF."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from ccld import events as ev
+from ccld.tracer import discover
+from ccld.tracer.agent import Agent
+
+pytestmark = pytest.mark.unit
+
+# A stand-in rank: sleeps; with FORK=1 it forks a child that inherits its environment (as a
+# DataLoader worker does) before sleeping.
+RANK_SRC = "import os, time\nif os.environ.get('FORK') == '1' and os.fork() == 0:\n    time.sleep(60)\ntime.sleep(60)\n"
+
+
+class Sink:
+    def __init__(self):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.events = []
+
+    def drain(self, seconds):
+        end = time.time() + seconds
+        while time.time() < end:
+            if self.sock.poll(50):
+                self.events += ev.decode_batch(self.sock.recv()).events
+
+    def wait(self, pred, timeout=10):
+        end = time.time() + timeout
+        while time.time() < end:
+            self.drain(0.1)
+            if pred(self.events):
+                return True
+        return False
+
+    def close(self):
+        self.sock.close()
+        self.ctx.term()
+
+
+def spawn_rank(rank, world=2, fork=False):
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", FORK="1" if fork else "0")
+    return subprocess.Popen([sys.executable, "-c", RANK_SRC], env=env)
+
+
+def of(events, kind):
+    return [e for e in events if e.KIND == kind]
+
+
+def test_ranks_appear_exit_and_come_back_and_forks_are_not_ranks():
+    sink = Sink()
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    procs = [launcher]
+    agent = Agent(sink.endpoint, pids=[os.getpid()], use_bpf=False, say=lambda s: None)
+    try:
+        agent.start()
+        r0, r1 = spawn_rank(0, fork=True), spawn_rank(1)
+        procs += [r0, r1]
+        assert sink.wait(lambda es: {e.rank for e in of(es, "rank")} >= {0, 1})
+        infos = of(sink.events, "rank")
+        assert {e.pid for e in infos} == {r0.pid, r1.pid}  # r0's forked child is not a rank
+        assert all(e.job == "127.0.0.1:29999" and e.world_size == 2 for e in infos)
+        assert sink.wait(lambda es: {e.rank for e in of(es, "proc")} >= {0, 1})  # liveness from /proc
+        r1.kill()
+        r1.wait()
+        assert sink.wait(lambda es: [e.pid for e in of(es, "rank_exit")] == [r1.pid])
+        r1b = spawn_rank(1)  # an elastic restart of rank 1
+        procs.append(r1b)
+        assert sink.wait(lambda es: r1b.pid in {e.pid for e in of(es, "rank")})
+        assert set(agent.ranks) == {r0.pid, r1b.pid}
+    finally:
+        agent.stop()
+        for p in procs:
+            p.kill()
+        for pid in discover.descendants(os.getpid()):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        sink.close()
+
+
+def test_identify_skips_processes_without_a_rank():
+    assert discover.identify(os.getpid()) is None or "RANK" in os.environ
+    assert discover.identify(999999999) is None
