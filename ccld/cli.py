@@ -14,6 +14,9 @@ EPILOG = """examples:
   ccld agent --pid 12345 --collector tcp://10.0.0.5:5555 attach to a running job (its launcher's pid)
   ccld collector --listen tcp://0.0.0.0:5555 --store runs/today --findings findings.jsonl
   ccld diagnose runs/today                              re-run the detectors on a recorded store
+  ccld export runs/today --perfetto today.pftrace       a trace to open in ui.perfetto.dev
+  ccld report runs/today -o report.html                 one HTML page: findings, heatmaps, plots
+  ccld keys /etc/ccld collector                         key pair for CurveZMQ (listening beyond loopback)
   ccld demo --fault hang                                a 4-rank CPU job with one rank that hangs
 """
 
@@ -37,8 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--listen", default=DEFAULT_LISTEN, help=f"ZeroMQ endpoint to bind (default {DEFAULT_LISTEN})")
     c.add_argument("--store", metavar="DIR", help="append every frame to this store directory")
     c.add_argument("--findings", metavar="FILE.jsonl", help="append findings here, one JSON object a line")
-    c.add_argument("--perfetto", metavar="FILE", help="write a Perfetto trace at exit (not built yet)")
+    c.add_argument("--perfetto", metavar="FILE", help="at exit, write the store as a Perfetto trace (.json: "
+                   "Chrome JSON); without --store a temporary store is used and removed")
     c.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics (not built yet)")
+    c.add_argument("--curve-key", metavar="FILE.key_secret",
+                   help="CurveZMQ: this collector's secret key (needed to listen beyond loopback)")
+    c.add_argument("--allow-keys", metavar="DIR", help="CurveZMQ: directory of allowed agents' *.key files")
     detector_flags(c)
 
     a = sub.add_parser("agent", help="trace the ranks on this node and ship events to a collector")
@@ -47,21 +54,53 @@ def _parser() -> argparse.ArgumentParser:
                    help="a rank, or a launcher whose descendants are ranks (repeatable)")
     a.add_argument("--discover", action="store_true", help="trace every rank found on this node")
     a.add_argument("--no-bpf", action="store_true", help="use /proc only, no eBPF probes")
+    a.add_argument("--curve-key", metavar="FILE.key_secret", help="CurveZMQ: this agent's secret key")
+    a.add_argument("--collector-key", metavar="FILE.key", help="CurveZMQ: the collector's public key")
     a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)  # print programs + cflags, exit
 
     r = sub.add_parser("run", help="run a command and trace every rank it starts")
     r.add_argument("--collector", metavar="ADDR", help="ship to this collector instead of starting one")
     r.add_argument("--store", metavar="DIR")
     r.add_argument("--findings", metavar="FILE.jsonl")
-    r.add_argument("--perfetto", metavar="FILE", help="(not built yet)")
+    r.add_argument("--perfetto", metavar="FILE", help="at exit, write a Perfetto trace of the run (.json: "
+                   "Chrome JSON)")
     r.add_argument("--no-bpf", action="store_true", help="use /proc only, no eBPF probes")
     detector_flags(r)
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+
+    k = sub.add_parser("keys", help="make a CurveZMQ key pair (NAME.key, NAME.key_secret) in DIR")
+    k.add_argument("dir", metavar="DIR")
+    k.add_argument("name", metavar="NAME", help="e.g. collector, or the agent's node name")
 
     d = sub.add_parser("diagnose", help="replay a store through the detectors")
     d.add_argument("store", metavar="STORE_DIR")
     d.add_argument("--json", action="store_true", help="print findings as JSON lines")
     detector_flags(d)
+
+    x = sub.add_parser("export", help="write a store as a Perfetto trace (or Chrome JSON)",
+                       description="Write a store as a trace for ui.perfetto.dev: a track per rank, a slice "
+                       "per collective, flows joining one collective across ranks, findings as markers.")
+    x.add_argument("store", metavar="STORE_DIR")
+    x.add_argument("--perfetto", required=True, metavar="OUT.pftrace", help="the trace file to write")
+    x.add_argument("--format", choices=["perfetto", "json"],
+                   help="perfetto (protobuf, default) or json (Chrome JSON; the default for OUT.json)")
+    x.add_argument("--from", dest="t_from", type=float, metavar="S",
+                   help="only what overlaps Unix time S and later")
+    x.add_argument("--to", dest="t_to", type=float, metavar="S", help="only what overlaps Unix time S and earlier")
+    x.add_argument("--ranks", metavar="0,2", help="only these global ranks (e.g. 0,2,4-7)")
+    x.add_argument("--findings", metavar="FILE.jsonl",
+                   help="mark the findings of this file (the collector's) instead of replaying the store")
+    x.add_argument("--no-findings", action="store_true", help="no finding markers (skips the replay)")
+    detector_flags(x)
+
+    rp = sub.add_parser("report", help="write one self-contained HTML page about a store (findings, plots)")
+    rp.add_argument("store", metavar="STORE_DIR")
+    rp.add_argument("-o", "--output", default="report.html", metavar="FILE.html",
+                    help="where to write the page (default report.html)")
+    rp.add_argument("--comm", metavar="COMM", help="communicator to draw (default: the widest, then busiest)")
+    rp.add_argument("--last", type=int, default=200, metavar="N",
+                    help="collectives in the arrival heatmap, newest first (default 200)")
+    detector_flags(rp)
 
     m = sub.add_parser("demo", help="a 4-rank gloo job on the CPU with an injected fault, traced")
     m.add_argument("--fault", default="hang", choices=["hang", "stop", "none"],

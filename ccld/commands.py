@@ -23,18 +23,32 @@ def _wait_for_signal() -> None:
 
 def cmd_collector(args) -> int:
     from ccld.collector.server import Collector
-    for flag in ("perfetto", "metrics"):
-        if getattr(args, flag):
-            _say(f"ccld: note: --{flag} is not built yet; ignored")
-    c = Collector(listen=args.listen, store_dir=args.store, findings_path=args.findings, on_line=_say,
-                  floor_s=args.hang_after)
-    c.start()
+    if args.metrics:
+        _say("ccld: note: --metrics is not built yet; ignored")
+    keys = _server_keys(args)
+    store, tmp_store = args.store, None
+    if args.perfetto and not store:  # the trace is made from a store: keep a temporary one for it
+        import tempfile
+        store = tmp_store = tempfile.mkdtemp(prefix="ccld-store-")
+    c = Collector(listen=args.listen, store_dir=store, findings_path=args.findings, on_line=_say,
+                  floor_s=args.hang_after, keys=keys)
+    try:
+        c.start()
+    except BaseException:
+        if tmp_store:
+            import shutil
+            shutil.rmtree(tmp_store, ignore_errors=True)
+        raise
     _say(f"ccld collector: listening on {c.endpoint}" + (f", store {args.store}" if args.store else "")
-         + (f", findings {args.findings}" if args.findings else "") + ". Ctrl-C to end")
+         + (f", findings {args.findings}" if args.findings else "")
+         + (f", trace {args.perfetto} at exit" if args.perfetto else "") + ". Ctrl-C to end")
     try:
         _wait_for_signal()
     finally:
         c.stop()
+        if args.perfetto:
+            from ccld.export import export_at_stop
+            export_at_stop(store, args.perfetto, c.findings, _say, remove_store=tmp_store is not None)
     return 0
 
 
@@ -45,7 +59,8 @@ def cmd_agent(args) -> int:
             print(fam.program_text())
         return 0
     from ccld.tracer.agent import Agent
-    agent = Agent(args.collector, pids=args.pid, discover_all=args.discover, use_bpf=not args.no_bpf, say=_say)
+    agent = Agent(args.collector, pids=args.pid, discover_all=args.discover, use_bpf=not args.no_bpf, say=_say,
+                  keys=_client_keys(args))
     for pid in args.pid:
         try:
             import os
@@ -67,12 +82,33 @@ def cmd_agent(args) -> int:
     return 0
 
 
+def _server_keys(args):
+    from ccld.security import ServerKeys
+    if bool(args.curve_key) != bool(args.allow_keys):
+        raise CcldError("--curve-key and --allow-keys go together (the collector's secret key and the "
+                        "directory of agents it accepts)")
+    return ServerKeys(args.curve_key, args.allow_keys) if args.curve_key else None
+
+
+def _client_keys(args):
+    from ccld.security import ClientKeys
+    if bool(args.curve_key) != bool(args.collector_key):
+        raise CcldError("--curve-key and --collector-key go together (this agent's secret key and the "
+                        "collector's public key)")
+    return ClientKeys(args.curve_key, args.collector_key) if args.curve_key else None
+
+
+def cmd_keys(args) -> int:
+    from ccld.security import make_keypair
+    public, secret = make_keypair(args.dir, args.name)
+    _say(f"ccld keys: public {public} (give it to the other side), secret {secret} (owner-only, keep it here)")
+    return 0
+
+
 def cmd_run(args) -> int:
     from ccld import launch
-    if args.perfetto:
-        _say("ccld: note: --perfetto is not built yet; ignored")
     return launch.run(args.cmd, args.collector, args.store, args.findings, args.hang_after,
-                      use_bpf=not args.no_bpf, say=_say)
+                      use_bpf=not args.no_bpf, say=_say, perfetto=args.perfetto)
 
 
 def cmd_diagnose(args) -> int:
@@ -94,6 +130,43 @@ def cmd_diagnose(args) -> int:
     for r in recoveries:
         print(format_line(r))
     return 0
+
+
+def cmd_report(args) -> int:
+    from ccld.export.report import write_report
+    if args.last < 1:
+        raise CcldError("--last must be at least 1")
+    # progress lines for a person watching; a script gets only the summary line
+    progress = (lambda m: print(f"ccld report: {m}", file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
+    s = write_report(args.store, args.output, progress=progress, comm=args.comm, last=args.last,
+                     floor_s=args.hang_after)
+    _say(f"ccld report: {s['path']} ({s['bytes'] // 1024} KiB): {s['ranks']} ranks, {s['comms']} communicators, "
+         f"{s['collectives']} collectives, {s['findings']} finding{'s' * (s['findings'] != 1)} "
+         f"({s['active']} active)")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from ccld.export import export_trace, guess_format, parse_ranks, progress_line, read_findings, summary_line
+    fmt = guess_format(args.perfetto, args.format)
+    ranks = parse_ranks(args.ranks)
+    findings = [] if args.no_findings else read_findings(args.findings) if args.findings else None
+    shown = [0.0]
+
+    def progress(p) -> None:  # long work says how it goes, on stderr, every PROGRESS_S
+        if p.get("phase") == "findings" or p.get("elapsed_s", 0) - shown[0] >= PROGRESS_S:
+            shown[0] = p.get("elapsed_s", 0)
+            print(progress_line(p), file=sys.stderr, flush=True)
+
+    stats = export_trace(args.store, args.perfetto, fmt, t_from=args.t_from, t_to=args.t_to, ranks=ranks,
+                         progress=progress, findings=findings, hang_after=args.hang_after)
+    for p in stats["store_problems"][:5]:
+        print(f"ccld export: store problem: {p}", file=sys.stderr)
+    _say(summary_line(stats))
+    return 0
+
+
+PROGRESS_S = 2.0  # `ccld export` progress period
 
 
 def cmd_demo(args) -> int:

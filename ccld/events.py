@@ -11,12 +11,16 @@ the collector does that in one place (`collector.clock`), from the agent's `cloc
 
 Compatibility: a frame with a newer MAJOR is rejected with a clear error; a newer MINOR is read,
 unknown fields are ignored, and events of an unknown kind are skipped and counted.
+Bounds on hostile input: at most MAX_FRAME_BYTES and MAX_EVENTS_PER_FRAME events per frame; every bad
+event is counted by reason, the first MAX_ERRORS_KEPT with their message; values shown in messages
+are shortened.
 Field names follow PyTorch's vocabulary (process group, seq, group size, count, dtype) so traces
 join with Flight Recorder and Kineto.
 """
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 
@@ -26,7 +30,11 @@ from ccld.errors import CcldError
 
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 0
-MAX_FRAME_BYTES = 16 * 1024 * 1024  # a frame is a batch of <= a few thousand events; 16 MiB is far above any real one
+MAX_FRAME_BYTES = 4 * 1024 * 1024  # agents send <= 2,048 events (~300 KiB) a frame; 4 MiB bounds a hostile one
+# 32x the shipper's MAX_BATCH. Checked by the MessagePack reader before it allocates anything: a
+# 16 MiB frame of 16M one-byte junk events once took 7 GiB and 80 s to reject.
+MAX_EVENTS_PER_FRAME = 65_536
+MAX_ERRORS_KEPT = 32  # bad events of one frame kept with their message; all of them are counted by reason
 
 
 class FrameError(CcldError):
@@ -227,23 +235,65 @@ _TYPE_CHECKS = {
 }
 
 
+class _ShortRepr(reprlib.Repr):
+    """repr() of hostile values for error messages: short, and safe on deeply nested ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 3, 60, 60
+        self.maxlist = self.maxtuple = self.maxdict = 4
+
+    def repr_bytes(self, x: bytes, level: int) -> str:
+        return repr(x[:self.maxstring]) + ("..." if len(x) > self.maxstring else "")
+
+
+_show = _ShortRepr().repr
+
+
+def _type_problem(declared: str, value: Any) -> Optional[str]:
+    """None when `value` matches the declared type string (e.g. "Dict[str, int]"), else what it is."""
+    check = _TYPE_CHECKS.get(declared)
+    if check is not None:
+        return None if check(value) else type(value).__name__
+    base, _, inner = declared.partition("[")
+    inner = inner[:-1]
+    if base == "List":
+        if not isinstance(value, list):
+            return type(value).__name__
+        for x in value if inner else ():
+            if _type_problem(inner, x):
+                return f"a list holding a {type(x).__name__}"
+        return None
+    if base == "Dict":
+        if not isinstance(value, dict):
+            return type(value).__name__
+        kt, _, vt = inner.partition(", ")
+        for k, v in value.items():  # elements are checked too: they end up in stats.json and reports
+            if kt and _type_problem(kt, k):
+                return f"a dict with a {type(k).__name__} key"
+            if vt and _type_problem(vt, v):
+                return f"a dict with a {type(v).__name__} value"
+    return None
+
+
 def _check_type(kind: str, name: str, declared: str, value: Any) -> None:
-    base = declared.split("[")[0]
-    check = _TYPE_CHECKS.get(base)
-    ok = check(value) if check else (isinstance(value, list) if base == "List" else
-                                     isinstance(value, dict) if base == "Dict" else True)
-    if not ok:
-        raise FrameError("bad-field", f"event {kind!r}: field {name!r} should be {declared}, got {type(value).__name__}")
+    got = _type_problem(declared, value)
+    if got is not None:
+        raise FrameError("bad-field", f"event {kind!r}: field {name!r} should be {declared}, got {got}")
 
 
 def event_from_wire(d: Any) -> Event:
     """Build one event from its wire map. Raises FrameError (reason 'unknown-kind' for kinds newer than us)."""
     if not isinstance(d, dict):
         raise FrameError("bad-event", f"event is a {type(d).__name__}, not a map")
-    kind = d.get("k")
+    if "k" not in d:
+        raise FrameError("missing-field", "event has no kind (field 'k')")
+    kind = d["k"]
+    if not isinstance(kind, str):  # also keeps unhashable kinds (lists, maps) out of the dict lookup
+        raise FrameError("bad-field", f"event kind (field 'k') should be str, got {type(kind).__name__}")
     cls = EVENT_TYPES.get(kind)
     if cls is None:
-        raise FrameError("unknown-kind", f"unknown event kind {kind!r}")
+        raise FrameError("unknown-kind", f"unknown event kind {_show(kind)}")
     req, opt = _fields(cls)
     args = {}
     for name, declared in req.items():
@@ -267,6 +317,7 @@ class Batch:
     events: List[Event]
     skipped: int = 0  # events of kinds this reader does not know (newer minor versions)
     errors: List[FrameError] = field(default_factory=list)  # bad events dropped; the rest of the frame is kept
+    bad_counts: Dict[str, int] = field(default_factory=dict)  # every bad event by reason (errors keeps the first few)
 
 
 def encode_batch(agent: str, node: str, batch: int, events: List[Event]) -> bytes:
@@ -284,13 +335,17 @@ def decode_batch(frame: bytes) -> Batch:
     if len(frame) > MAX_FRAME_BYTES:
         raise FrameError("too-large", f"frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES}-byte limit")
     try:
-        env = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        env = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_array_len=MAX_EVENTS_PER_FRAME)
     except msgpack.exceptions.ExtraData:
         raise FrameError("trailing-bytes", "frame has bytes after its MessagePack map") from None
     except (ValueError, msgpack.exceptions.UnpackException) as e:
+        if "max_array_len" in str(e):
+            raise FrameError("too-many-items", f"frame has an array of more than {MAX_EVENTS_PER_FRAME} items "
+                                               f"(the most events a frame may carry): {e}") from None
         reason = "truncated" if "incomplete" in str(e).lower() or isinstance(
             e, msgpack.exceptions.OutOfData) else "not-msgpack"
-        raise FrameError(reason, f"frame is not valid MessagePack ({reason}): {e}") from None
+        detail = str(e) or type(e).__name__  # StackError (nesting too deep) has no message of its own
+        raise FrameError(reason, f"frame is not valid MessagePack ({reason}): {detail}") from None
     except Exception as e:  # msgpack raises a few other types on hostile input (e.g. TypeError for bad keys)
         raise FrameError("not-msgpack", f"frame is not valid MessagePack: {type(e).__name__}: {e}") from None
     if not isinstance(env, dict):
@@ -298,7 +353,7 @@ def decode_batch(frame: bytes) -> Batch:
     v = env.get("v")
     if (not isinstance(v, (list, tuple)) or len(v) != 2
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
-        raise FrameError("no-version", f"frame has no valid schema version 'v' (got {v!r})")
+        raise FrameError("no-version", f"frame has no valid schema version 'v' (got {_show(v)})")
     if v[0] > SCHEMA_MAJOR:
         raise FrameError("newer-major",
                          f"frame has schema version {v[0]}.{v[1]}, newer than this collector's "
@@ -307,9 +362,11 @@ def decode_batch(frame: bytes) -> Batch:
         raise FrameError("older-major", f"frame has schema version {v[0]}.{v[1]}, no longer supported "
                                         f"(this collector reads {SCHEMA_MAJOR}.x)")
     for key, typ in (("agent", str), ("node", str), ("batch", int), ("events", list)):
-        if not isinstance(env.get(key), typ):
-            raise FrameError("bad-envelope", f"frame envelope field {key!r} is missing or not a {typ.__name__}")
-    events, skipped, errors = [], 0, []
+        got = env.get(key)
+        if not isinstance(got, typ) or isinstance(got, bool):
+            raise FrameError("bad-envelope", f"frame envelope field {key!r} is missing or not a {typ.__name__} "
+                                             f"(got {type(got).__name__})")
+    events, skipped, errors, bad_counts = [], 0, [], {}
     for i, raw in enumerate(env["events"]):
         try:
             events.append(event_from_wire(raw))
@@ -318,5 +375,8 @@ def decode_batch(frame: bytes) -> Batch:
                 skipped += 1  # a newer minor version may add kinds; skip them, count them
                 continue
             # One bad event must not cost the good ones beside it: drop it, say which and why.
-            errors.append(FrameError(e.reason, f"agent {env['agent']!r} batch {env['batch']} event #{i}: {e}"))
-    return Batch(env["agent"], env["node"], env["batch"], (v[0], v[1]), events, skipped, errors)
+            bad_counts[e.reason] = bad_counts.get(e.reason, 0) + 1
+            if len(errors) < MAX_ERRORS_KEPT:
+                errors.append(FrameError(e.reason, f"agent {_show(env['agent'])} batch {env['batch']} "
+                                                   f"event #{i}: {e}"))
+    return Batch(env["agent"], env["node"], env["batch"], (v[0], v[1]), events, skipped, errors, bad_counts)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional
@@ -92,12 +94,24 @@ def exit_status(rc: int) -> int:
 
 
 def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], findings: Optional[str],
-        hang_after: float, use_bpf: bool, say: Callable[[str], None] = print) -> int:
+        hang_after: float, use_bpf: bool, say: Callable[[str], None] = print,
+        perfetto: Optional[str] = None) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
         raise CcldError("nothing to run: give a command after --, e.g. ccld run -- torchrun --nproc-per-node 4 train.py")
-    session = open_session(collector_addr, store, findings, hang_after, use_bpf, say)
+    tmp_store = None
+    if perfetto and collector_addr:
+        say(f"ccld: note: --perfetto belongs to the collector at {collector_addr}; ignored here")
+        perfetto = None
+    elif perfetto and not store:  # the trace is made from a store: keep a temporary one for it
+        store = tmp_store = tempfile.mkdtemp(prefix="ccld-run-store-")
+    try:
+        session = open_session(collector_addr, store, findings, hang_after, use_bpf, say)
+    except BaseException:
+        if tmp_store:
+            shutil.rmtree(tmp_store, ignore_errors=True)
+        raise
     interrupted = []
 
     def on_signal(signum, _frame):
@@ -130,3 +144,6 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
             n = len(getattr(session.collector, "findings", []))
             say(f"ccld: done; {n} finding{'s' if n != 1 else ''}" +
                 (f" in {findings}" if findings and n else ""))
+            if perfetto:
+                from ccld.export import export_at_stop
+                export_at_stop(store, perfetto, session.collector.findings, say, remove_store=tmp_store is not None)

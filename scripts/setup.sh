@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
 if [[ "${CCLD_SKIP_APT:-0}" != 1 ]]; then
-  pkgs=(python3-bpfcc linux-headers-amd64 bpftool iproute2 iptables procps python3-venv)
+  # chromium: the e2e test that opens `ccld report`'s page headless
+  pkgs=(python3-bpfcc linux-headers-amd64 bpftool iproute2 iptables procps python3-venv chromium)
   missing=()
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   if ((${#missing[@]})); then

@@ -35,11 +35,16 @@ def decode_frame(frame: bytes, counters: IngestCounters) -> Tuple[Optional[ev.Ba
     except ev.FrameError as e:
         counters.frames_rejected[e.reason] += 1
         return None, e
+    except Exception as e:  # a decoder bug: still count the frame (never lose it silently), say what broke
+        err = ev.FrameError("decoder-error", f"decoder failed on a {len(frame)}-byte frame: "
+                                             f"{type(e).__name__}: {e}")
+        counters.frames_rejected[err.reason] += 1
+        return None, err
     counters.frames_ok += 1
     counters.bytes_ok += len(frame)
     counters.skipped_events += batch.skipped
-    for err in batch.errors:
-        counters.bad_events[err.reason] += 1
+    for reason, n in batch.bad_counts.items():  # all bad events; batch.errors keeps only the first few
+        counters.bad_events[reason] += n
     return batch, None
 
 

@@ -6,7 +6,8 @@ TICK_S and prints each new finding or recovery as one line and one JSON line in 
 (flushed at once). A lock serialises the timeline between them.
 Times: `recv_unix` and detection `now` are this machine's wall clock (Unix seconds); event times
 are converted from the agents' clocks by the timeline. Bounds: ZeroMQ holds at most RCVHWM frames
-per agent connection (beyond that agents queue and count their own drops); bad frames are counted
+per agent connection (beyond that agents queue and count their own drops); stop() ingests what is
+queued for STOP_DRAIN_S and counts the rest (frames_dropped_at_stop); bad frames are counted
 by reason and logged at most once per LOG_EVERY_S per reason; nothing received stops the collector.
 Caveat: frames larger than MAXMSGSIZE_BYTES make ZeroMQ drop the sender's connection (it reconnects);
 that protects our memory and is far above any real frame (events.MAX_FRAME_BYTES).
@@ -31,6 +32,7 @@ from ccld.diagnose.findings import Finding, format_line
 from ccld.diagnose.tracker import FindingTracker
 from ccld.diagnose.hang import AGENT_SILENT_S
 from ccld.errors import CcldError
+from ccld.security import ServerKeys, check_listen, secure_server
 
 log = logging.getLogger("ccld.collector")
 
@@ -38,9 +40,13 @@ DEFAULT_LISTEN = "tcp://127.0.0.1:5555"
 TICK_S = 0.5              # detection period: findings within seconds need sub-second ticks
 POLL_MS = 100             # ingest wakes at least this often to flush the store and notice stop()
 MAX_BURST = 256           # frames handled per wake before flushing/checking stop again
-MAX_DRAIN_BURSTS = 40     # on stop, take what is already queued, but never chase a sender forever
-RCVHWM = 1000             # frames queued per connection in ZeroMQ (~300 MiB worst case at 300 KiB)
-MAXMSGSIZE_BYTES = 4 * ev.MAX_FRAME_BYTES  # bigger than this cannot be a frame; don't allocate it
+STOP_DRAIN_S = 2.0        # on stop, ingest what is already queued for this long (< JOIN_TIMEOUT_S) ...
+STOP_COUNT_S = 1.0        # ... then receive the rest unread for this long, to count it (frames_dropped_at_stop)
+# Frames queued per agent connection in ZeroMQ, the collector's only receive queue: <= ~30 MiB per agent
+# at the shipper's largest frames (~300 KiB). It was 1000: a flood of 4 agents then held 540 MiB here
+# (bench/flood_collector.py). Beyond it senders get zmq.Again and their bounded queue counts the drops.
+RCVHWM = 100
+MAXMSGSIZE_BYTES = ev.MAX_FRAME_BYTES  # bigger than this cannot be a frame; ZeroMQ drops the peer instead of allocating it
 STATS_INTERVAL_S = 2.0    # stats.json is for humans and `ccld diagnose`; every 2 s is plenty
 LOG_EVERY_S = 10.0        # a flood of bad frames prints one line per reason per 10 s, with a count
 MAX_FINDINGS_KEPT = 10_000  # in memory; the findings file keeps everything
@@ -71,8 +77,11 @@ class _RateLimitedLog:
 class Collector:
     def __init__(self, listen: str = DEFAULT_LISTEN, store_dir: Optional[str] = None,
                  findings_path: Optional[str] = None, on_line: Callable[[str], Any] = print,
-                 floor_s: float = 5.0, k: float = 4.0, tick_s: float = TICK_S):
+                 floor_s: float = 5.0, k: float = 4.0, tick_s: float = TICK_S,
+                 keys: Optional["ServerKeys"] = None):
         self.listen = listen
+        self.keys = keys          # CurveZMQ server keys; required to listen beyond loopback
+        self._auth = None
         # absolute now: bcc chdir()s while it compiles, and the ingest thread may write meanwhile
         self.store_dir = os.path.abspath(store_dir) if store_dir else None
         self.findings_path = os.path.abspath(findings_path) if findings_path else None
@@ -87,6 +96,7 @@ class Collector:
         self.recoveries: List[Dict[str, Any]] = []
         self.endpoint: Optional[str] = None
         self.internal_errors = 0
+        self.frames_dropped_at_stop = 0  # queued in ZeroMQ when stop() ran out of drain time: counted, not read
         self.findings_not_kept = 0
         self.store_errors = 0
         self._lock = threading.Lock()       # timeline + counters
@@ -114,8 +124,11 @@ class Collector:
                     self._findings_file = open(self.findings_path, "a", encoding="utf-8")
                 except OSError as e:
                     raise CollectorError(f"cannot write findings to {self.findings_path}: {e}") from None
+            check_listen(self.listen, self.keys)
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.PULL)
+            if self.keys is not None:
+                self._auth = secure_server(self._ctx, self._sock, self.keys, self._say)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.RCVHWM, RCVHWM)
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE_BYTES)
@@ -149,9 +162,9 @@ class Collector:
                 self._store.write_stats(self.stats)
             except OSError as e:
                 log.warning("cannot write %s/stats.json: %s", self.store_dir, e)
-        self._close_resources()
+        self._close_resources(socket_in_use=any(t.is_alive() for t in self._threads if t.name == "ccld-ingest"))
 
-    def _close_resources(self) -> None:
+    def _close_resources(self, socket_in_use: bool = False) -> None:
         if self._store is not None:
             try:
                 self._store.close()
@@ -161,9 +174,15 @@ class Collector:
             if self._findings_file is not None:
                 self._findings_file.close()
                 self._findings_file = None
+        if socket_in_use:  # closing a ZeroMQ socket under the thread using it can abort the process
+            log.warning("collector ingest thread still busy: leaving its socket and context open")
+            return
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -180,21 +199,25 @@ class Collector:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         last_stats = time.monotonic()
-        drain_bursts = 0
+        drain_until = None
         while True:
             stopping = self._stop.is_set()
+            if stopping and drain_until is None:
+                drain_until = time.monotonic() + STOP_DRAIN_S
             try:
                 if stopping or poller.poll(POLL_MS):
                     for _ in range(MAX_BURST):
+                        if stopping and time.monotonic() >= drain_until:
+                            self._count_left_at_stop()
+                            break
                         try:
                             frame = self._sock.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         self.handle_frame(frame, time.time())
                     else:
-                        drain_bursts += stopping
-                        if stopping and drain_bursts < MAX_DRAIN_BURSTS:
-                            continue  # more was waiting: keep draining (boundedly) before the final flush
+                        if stopping:
+                            continue  # more was waiting: keep draining (for STOP_DRAIN_S) before the final flush
                 if self._store is not None:
                     self._store.maybe_flush()
                     if time.monotonic() - last_stats >= STATS_INTERVAL_S:
@@ -207,6 +230,20 @@ class Collector:
                 time.sleep(POLL_MS / 1000)
             if stopping:
                 return
+
+    def _count_left_at_stop(self) -> None:
+        """Count, unread, what is still queued when the stop drain runs out of time (never chase a
+        sender forever: this too stops after STOP_COUNT_S)."""
+        deadline = time.monotonic() + STOP_COUNT_S
+        while time.monotonic() < deadline:
+            try:
+                self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.frames_dropped_at_stop += 1
+        if self.frames_dropped_at_stop:
+            log.warning("collector stopped with %d queued frames not ingested (counted in frames_dropped_at_stop)",
+                        self.frames_dropped_at_stop)
 
     def handle_frame(self, frame: bytes, recv_unix: float) -> None:
         """Decode, count, store and ingest one frame (the ingest thread's job; public for tests)."""
@@ -294,6 +331,6 @@ class Collector:
         d.update(endpoint=self.endpoint, started_at=self._started_at, findings=len(self.findings),
                  recoveries=len(self.recoveries), active_findings=len(self.tracker.active),
                  findings_not_kept=self.findings_not_kept, internal_errors=self.internal_errors,
-                 store_errors=self.store_errors,
+                 store_errors=self.store_errors, frames_dropped_at_stop=self.frames_dropped_at_stop,
                  store_records=self._store.records if self._store else None)
         return d

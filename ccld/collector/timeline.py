@@ -24,7 +24,7 @@ from ccld.collector.clock import ClockTable
 MAX_COLLS_PER_COMM = 4096     # hang detection looks at the newest; 4096 covers minutes of a fast job
 MAX_COMMS = 10_000            # process groups per collector; real jobs have a handful per job
 MAX_RANKS = 100_000           # processes per collector
-MAX_WORLD_SIZE = 1 << 20      # larger than any job that exists; a bigger value is a corrupt event
+MAX_WORLD_SIZE = 1 << 17      # 131,072 ranks: above the largest jobs run today; a bigger value is a corrupt event
 MAX_PENDING_NO_CLOCK = 100_000  # events held until their agent's first clock sample (sent every batch)
 PEAK_BUCKET_S = 300.0         # arrival-spread/duration peaks are kept per 5-minute bucket ...
 PEAK_BUCKETS = 12             # ... for an hour: a checkpoint every N minutes is still remembered

@@ -25,6 +25,7 @@ from ccld.diagnose.findings import STATE_NAMES, Finding
 
 FLOOR_S = 5.0   # never call a hang before this: agents ship every 100 ms; 5 s is far above any jitter
 K = 4.0         # x the job's own worst recent spread/duration
+EVIDENCE_RANKS = 16   # ranks described in full in one finding; `ranks` itself always lists every culprit
 AGENT_SILENT_S = 3.0  # agents send a frame every 100 ms; 3 s without one means we are blind there
 
 
@@ -107,7 +108,7 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k
                         waited_s=round(now - onset, 3), threshold_s=round(threshold, 3),
                         learned_spread_s=round(spread_peak, 6), waiting=sorted(entered),
                         also_missing=sorted(missing - set(blamed)) or None,
-                        ranks=[rank_evidence(tl, comm, r, now) for r in blamed])
+                        ranks=[rank_evidence(tl, comm, r, now) for r in blamed[:EVIDENCE_RANKS]])
         return Finding(kind="hang", cls="fault" if dead else "not-entered", ranks=blamed, comm=comm.id,
                        seq=seq, op=view.op, onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
     not_ended = expected - view.end.keys()
@@ -130,7 +131,7 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k
                     not_finished=sorted(not_ended),
                     started=sorted(started) if view.start else None,
                     note="all ranks entered; which link is at fault is not localised yet",
-                    ranks=[rank_evidence(tl, comm, r, now) for r in blamed])
+                    ranks=[rank_evidence(tl, comm, r, now) for r in blamed[:EVIDENCE_RANKS]])
     return Finding(kind="hang", cls="fault", ranks=blamed, comm=comm.id, seq=seq, op=view.op,
                    onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
 

@@ -60,7 +60,7 @@ def _families(emit: Callable[[ev.Event], None]):
 class Agent:
     def __init__(self, endpoint: str, *, pids: Sequence[int] = (), root_pid: Optional[int] = None,
                  discover_all: bool = False, use_bpf: bool = True, say: Callable[[str], None] = print,
-                 node: Optional[str] = None):
+                 node: Optional[str] = None, keys=None):
         if not pids and root_pid is None and not discover_all:
             raise CcldError("the agent needs something to trace: --pid PID, --discover, or a command (ccld run)")
         self.endpoint = endpoint
@@ -77,7 +77,7 @@ class Agent:
         self._stop = threading.Event()
         self._stopped = False
         self._thread: Optional[threading.Thread] = None
-        self.shipper = Shipper(endpoint, self.agent_id, self.node, extra_loss=self._loss)
+        self.shipper = Shipper(endpoint, self.agent_id, self.node, extra_loss=self._loss, keys=keys)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:

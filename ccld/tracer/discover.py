@@ -9,8 +9,11 @@ reported as unreadable, not silently skipped.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set
+
+from ccld.tracer.procstate import read_stat
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,20 @@ class RankIdentity:
     cmdline: str
 
 
+# The only environment variables ccld reads from a rank; nothing else (tokens, keys) is kept or shipped.
+NEEDED_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "TORCHELASTIC_RUN_ID", "CCLD_JOB"})
+_SECRET_ARG = re.compile(r"(?i)(--?[\w-]*(token|secret|passw|api[_-]?key|auth)[\w-]*)(=|\s+)(\S+)")
+
+
+def redact(cmdline: str) -> str:
+    """A command line with the values of secret-looking options (--token=..., --password x) masked."""
+    return _SECRET_ARG.sub(lambda m: f"{m.group(1)}{m.group(3)}***", cmdline)
+
+
 def read_environ(pid: int) -> Optional[Dict[str, str]]:
-    """The environment a process started with, or None if it is gone or unreadable."""
+    """The ccld-relevant part (NEEDED_ENV) of the environment a process started with, or None if
+    it is gone or unreadable."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             raw = f.read()
@@ -36,30 +51,30 @@ def read_environ(pid: int) -> Optional[Dict[str, str]]:
     for item in raw.split(b"\0"):
         k, sep, v = item.partition(b"=")
         if sep:
-            env[k.decode(errors="replace")] = v.decode(errors="replace")
+            key = k.decode(errors="replace")
+            if key in NEEDED_ENV:
+                env[key] = v.decode(errors="replace")
     return env
 
 
+_DECIMAL = re.compile(r"-?[0-9]{1,9}")  # int() would also take "1_0", " 7", "٣" and 10**30 (unencodable)
+
+
 def _int(env: Dict[str, str], key: str, default: int = -1) -> int:
-    try:
-        return int(env.get(key, default))
-    except ValueError:
-        return default
+    """An environment variable as a plain decimal int below 10**9, else `default`."""
+    v = env.get(key)
+    return int(v) if v is not None and _DECIMAL.fullmatch(v) else default
 
 
 def ppid_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(")") + 2:].split()[1])
-    except (OSError, ValueError, IndexError):
-        return -1
+    st = read_stat(pid)  # parsed as bytes: a comm with ')' or invalid UTF-8 must not hide a process
+    return -1 if st is None else st.ppid
 
 
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            return redact(f.read().replace(b"\0", b" ").decode(errors="replace").strip())
     except OSError:
         return ""
 
@@ -100,9 +115,5 @@ def descendants(root: int, pids: Optional[Iterable[int]] = None) -> Set[int]:
 
 def alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return stat[stat.rindex(")") + 2] not in "ZX"
-    except (OSError, ValueError, IndexError):
-        return False
+    st = read_stat(pid)
+    return st is not None and st.state not in "ZX"

@@ -36,7 +36,7 @@ def clock_sample() -> ev.ClockSample:
 
 class Shipper:
     def __init__(self, endpoint: str, agent: str, node: str,
-                 extra_loss: Optional[Callable[[], Dict[str, int]]] = None):
+                 extra_loss: Optional[Callable[[], Dict[str, int]]] = None, keys=None):
         self.endpoint, self.agent, self.node = endpoint, agent, node
         self.extra_loss = extra_loss or (lambda: {})
         self.queue: collections.deque = collections.deque()
@@ -53,6 +53,9 @@ class Shipper:
         self._sock.setsockopt(zmq.SNDHWM, SNDHWM)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 200)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        if keys is not None:  # security.ClientKeys: CurveZMQ to a collector that lists our key
+            from ccld.security import secure_client
+            secure_client(self._sock, keys)
         self._sock.connect(endpoint)
         self._pending: Optional[bytes] = None
         self._pending_n = 0

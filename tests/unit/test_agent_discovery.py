@@ -93,3 +93,21 @@ def test_ranks_appear_exit_and_come_back_and_forks_are_not_ranks():
 def test_identify_skips_processes_without_a_rank():
     assert discover.identify(os.getpid()) is None or "RANK" in os.environ
     assert discover.identify(999999999) is None
+
+
+def test_only_the_variables_ccld_needs_are_read_and_secrets_are_masked():
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29998",
+               HF_TOKEN="hf_secret_value", AWS_SECRET_ACCESS_KEY="aws_secret_value")
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--api-key=sk-123", "--lr", "3"],
+                         env=env)
+    try:
+        deadline = time.time() + 5
+        while time.time() < deadline and not discover.read_environ(p.pid):
+            time.sleep(0.05)
+        got = discover.read_environ(p.pid)
+        assert set(got) <= discover.NEEDED_ENV and got["RANK"] == "0"
+        ident = discover.identify(p.pid)
+        assert "sk-123" not in ident.cmdline and "--api-key=***" in ident.cmdline and "--lr 3" in ident.cmdline
+    finally:
+        p.kill()
+        p.wait()

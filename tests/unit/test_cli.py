@@ -53,3 +53,14 @@ def test_without_root_the_agent_says_once_what_is_missing(monkeypatch):
 def test_help_has_examples():
     r = ccld("--help")
     assert r.returncode == 0 and "examples:" in r.stdout and "ccld run -- torchrun" in r.stdout
+
+
+def test_collector_refuses_to_listen_beyond_loopback_without_keys():
+    r = ccld("collector", "--listen", "tcp://0.0.0.0:1")
+    assert r.returncode == 1 and "without authentication" in r.stderr and "ccld keys" in r.stderr
+
+
+def test_keys_verb_makes_an_owner_only_secret(tmp_path):
+    r = ccld("keys", str(tmp_path / "k"), "collector")
+    assert r.returncode == 0, r.stderr
+    assert oct(os.stat(tmp_path / "k" / "collector.key_secret").st_mode & 0o777) == "0o600"

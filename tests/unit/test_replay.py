@@ -98,8 +98,8 @@ def test_replay_reports_truncated_tail_and_loss(tmp_path):
 
 
 def test_replay_of_unknown_version_is_a_clear_error(tmp_path):
-    (tmp_path / "store.json").write_text(json.dumps({"format": "ccld-store", "version": 2}))
-    with pytest.raises(StoreError, match="version 2"):
+    (tmp_path / "store.json").write_text(json.dumps({"format": "ccld-store", "version": 99}))
+    with pytest.raises(StoreError, match="version 99"):
         replay(str(tmp_path))
 
 
