@@ -145,7 +145,7 @@ class Family:
         from bcc import BPF
         # One pass over the symbol table for all prefixes: each pass over libtorch_cpu.so costs ~0.8 s.
         pattern = "^(" + "|".join(re.escape(p.prefix) for p in self.PROBES) + ")"
-        found = BPF.get_user_functions_and_addresses(lib.encode(), pattern)
+        found = BPF.get_user_functions_and_addresses(lib.encode(), pattern.encode())
         points, missing, seen = [], [], set()
         for p in self.PROBES:
             got = False

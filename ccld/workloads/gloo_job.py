@@ -15,6 +15,12 @@ import sys
 import time
 
 
+def say(line: str) -> None:
+    """One write(2) per line: ranks share torchrun's stdout, and print() may split a line in two
+    writes, interleaving ranks mid-line (tests and users read these lines)."""
+    os.write(1, (line + "\n").encode())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=23)
@@ -51,7 +57,7 @@ def main() -> int:
     step = 0
     while (step < a.steps) if deadline is None else (time.monotonic() < deadline):
         if step == a.hang_step and rank == a.hang_rank:
-            print(f"rank {rank}: hanging before step {step}", flush=True)
+            say(f"rank {rank}: hanging before step {step}")
             while True:
                 time.sleep(3600)
         if step == a.pause_step:
@@ -89,8 +95,8 @@ def main() -> int:
             time.sleep(a.step_sleep_ms / 1e3)
         step += 1
         if a.progress_every and step % a.progress_every == 0:
-            print(f"rank {rank} step {step} t {time.time():.3f}", flush=True)
-    print(f"rank {rank} done: {step} steps, ops {counts}", flush=True)
+            say(f"rank {rank} step {step} t {time.time():.3f}")
+    say(f"rank {rank} done: {step} steps, ops {counts}")
     dist.destroy_process_group()
     return 0
 

@@ -34,4 +34,4 @@ def test_flood_from_4_agents_stays_bounded_and_responsive():
     assert r["backlog_at_flood_end_frames"] <= 4 * (server.RCVHWM + r["sndhwm"]) + 4 * 20  # + TCP buffers
     # a brand-new agent's frame, sent while the backlog is still queued, is ingested
     assert 0 <= r["probe_latency_after_flood_s"] < flood_collector.PROBE_TIMEOUT_S
-    assert r["stop_s"] < server.STOP_DRAIN_S + server.STOP_COUNT_S + 2.0
+    assert r["stop_s"] < 60  # stop() returns (a liveness bound, not a timing: tests do not assert speed)

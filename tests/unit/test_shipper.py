@@ -53,7 +53,7 @@ def test_reaches_a_collector_that_restarts_and_counts_drops(monkeypatch):
         t0 = time.monotonic()
         for i in range(10, 500):
             s.put(state(i))  # never blocks, even with nobody listening
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 5  # a blocked put would never return; this is not a speed check
         time.sleep(0.5)
         assert s.dropped > 0  # over the queue bound: dropped and counted, not blocking
         coll = pull(ctx, endpoint)  # the collector is back on the same address
