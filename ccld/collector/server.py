@@ -50,7 +50,7 @@ MAXMSGSIZE_BYTES = ev.MAX_FRAME_BYTES  # bigger than this cannot be a frame; Zer
 STATS_INTERVAL_S = 2.0    # stats.json is for humans and `ccld diagnose`; every 2 s is plenty
 LOG_EVERY_S = 10.0        # a flood of bad frames prints one line per reason per 10 s, with a count
 MAX_FINDINGS_KEPT = 10_000  # in memory; the findings file keeps everything
-JOIN_TIMEOUT_S = 5.0
+JOIN_TIMEOUT_S = 20.0     # the drain budget is ~3 s; under a flood on 2 busy cores one frame alone can take seconds
 
 
 class CollectorError(CcldError):
