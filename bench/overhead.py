@@ -79,9 +79,8 @@ def run(windows: int, window_s: float) -> dict:
             time.sleep(2)  # probes gone before the next untraced window
             print(f"window {w + 1}/{windows} done", file=sys.stderr)
     finally:
-        os.killpg(job.pid, 9)
-        subprocess.run(["pkill", "-9", "-f", f"--master-port {port}"], check=False)
-        job.wait()
+        from ccld.launch import stop_group
+        stop_group(job)  # torchrun's workers have sessions of their own: every descendant is signalled
         coll.terminate()
         coll.wait(30)
     text = open(out.name).read()

@@ -45,13 +45,21 @@ class FrameError(CcldError):
         self.reason = reason
 
 
+_WIRE_NAMES: Dict[type, Tuple[str, ...]] = {}
+
+
 @dataclass(frozen=True)
 class Event:
     KIND: ClassVar[str] = ""
 
     def to_wire(self) -> Dict[str, Any]:
+        # Not dataclasses.asdict: it deep-copies recursively and was the agent's biggest per-event cost.
+        names = _WIRE_NAMES.get(type(self))
+        if names is None:
+            names = _WIRE_NAMES[type(self)] = tuple(f.name for f in dataclasses.fields(self))
         d = {"k": self.KIND}
-        d.update(dataclasses.asdict(self))
+        for n in names:
+            d[n] = getattr(self, n)
         return d
 
 

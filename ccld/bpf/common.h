@@ -14,6 +14,13 @@
 #define CCLD_RINGBUF_PAGES 64 /* 256 KiB: ~2,500 records; drained every 50 ms, so ~50k records/s of headroom */
 #endif
 
+#ifndef CCLD_SUBMIT_FLAGS
+/* No wakeup per record: the agent drains every few tens of ms anyway (Family.poll), and a wakeup
+ * per collective costs the traced node a context switch and the agent a Python callback round trip.
+ * BPF_RB_NO_WAKEUP is 1 in uapi/linux/bpf.h (5.8+); -DCCLD_SUBMIT_FLAGS=0 restores wakeups. */
+#define CCLD_SUBMIT_FLAGS 1
+#endif
+
 struct ccld_hdr {
     u16 kind;
     u16 version;

@@ -122,7 +122,7 @@ int pg_init(struct pt_regs *ctx)
     r->pg = PT_REGS_PARM1(ctx);
     r->rank = (s32)PT_REGS_PARM3(ctx);
     r->size = (s32)PT_REGS_PARM4(ctx);
-    events.ringbuf_submit(r, 0);
+    events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
     return 0;
 }
 
@@ -149,7 +149,7 @@ static __always_inline int emit_p2p(struct pt_regs *ctx, s32 op, s32 peer, s32 t
     r->peer = peer;
     r->tag = tag;
     r->pad = 0;
-    events.ringbuf_submit(r, 0);
+    events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
     return 0;
 }
 
@@ -191,7 +191,7 @@ int work_init(struct pt_regs *ctx)
     r->title[0] = 0;
     if (title)
         bpf_probe_read_user_str(r->title, sizeof(r->title), (void *)title);
-    events.ringbuf_submit(r, 0);
+    events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
     return 0;
 }
 
@@ -204,7 +204,7 @@ static __always_inline int emit_work(u16 kind, u64 work, s32 ok)
     r->work = work;
     r->ok = ok;
     r->pad = 0;
-    events.ringbuf_submit(r, 0);
+    events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
     return 0;
 }
 

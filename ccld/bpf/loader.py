@@ -115,7 +115,10 @@ class Family:
         return 0
 
     def poll(self, timeout_ms: int) -> None:
+        """Wait up to timeout_ms, then drain every record. Records are submitted without wakeups
+        (CCLD_SUBMIT_FLAGS), so the wait usually runs its course and the drain does the work."""
         self.bpf.ring_buffer_poll(timeout_ms)
+        self.bpf.ring_buffer_consume()
 
     def lost(self) -> int:
         """Records the kernel side could not reserve (ring buffer full), summed over CPUs; once

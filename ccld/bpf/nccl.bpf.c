@@ -181,7 +181,7 @@ static __always_inline int emit_call(u16 kind, s32 fn, u64 sendbuff, u64 recvbuf
     r->datatype = datatype;
     r->redop = redop;
     r->root = root;
-    events.ringbuf_submit(r, 0);
+    events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
     return 0;
 }
 
@@ -252,7 +252,7 @@ static __always_inline int emit_group(s32 fn)
     CCLD_FILL_OR_LOST(r, NCCL_GROUP);
     r->fn = fn;
     r->pad = 0;
-    events.ringbuf_submit(r, 0);
+    events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
     return 0;
 }
 
@@ -268,7 +268,7 @@ static __always_inline int emit_end(s32 fn, u64 comm)
     r->comm = comm;
     r->fn = fn;
     r->pad = 0;
-    events.ringbuf_submit(r, 0);
+    events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
     return 0;
 }
 
@@ -358,7 +358,7 @@ int init_ret(struct pt_regs *ctx)
     r->rank = e->rank;
     r->color = e->color;
     r->key = e->key;
-    events.ringbuf_submit(r, 0);
+    events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
     init_inflight.delete(&tid);
     return 0;
 }

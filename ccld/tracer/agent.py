@@ -27,7 +27,9 @@ from ccld.tracer.shipper import Shipper
 log = logging.getLogger("ccld.agent")
 
 POLL_MS = 50              # ring-buffer drain period; records wait at most this long in the kernel
-SCAN_INTERVAL_MS = 200    # new ranks are attached within this (+ attach time) of mapping libtorch
+SCAN_INTERVAL_MS = 200    # new ranks are attached within this (+ attach time) of mapping libtorch ...
+IDLE_SCAN_INTERVAL_MS = 1000  # ... while ranks come and go; once the set is stable for STABLE_S, scan
+STABLE_S = 30.0               # /proc less often (a full scan reads every /proc/PID/stat: ~1 % of a core)
 PROC_INTERVAL_S = 1.0     # /proc state of each rank, shipped as liveness and "what it is doing"
 ANNOUNCE_S = 10.0         # re-send hello and ranks so a restarted collector relearns the job
 NEG_CACHE_LIMIT = 65536   # remembered non-rank processes (by pid+cmdline) in --discover mode
@@ -76,6 +78,7 @@ class Agent:
         self._not_ranks: Dict[Tuple[int, str], None] = {}
         self._stop = threading.Event()
         self._stopped = False
+        self._last_change = time.monotonic()  # when a rank last appeared, left or got its probes
         self._thread: Optional[threading.Thread] = None
         self.shipper = Shipper(endpoint, self.agent_id, self.node, extra_loss=self._loss, keys=keys)
 
@@ -140,7 +143,8 @@ class Agent:
                     self._scan(now)
                 except Exception:  # one bad /proc read must not end tracing
                     log.exception("scan failed")
-                next_scan = now + SCAN_INTERVAL_MS / 1000
+                stable = now - self._last_change >= STABLE_S
+                next_scan = now + (IDLE_SCAN_INTERVAL_MS if stable else SCAN_INTERVAL_MS) / 1000
             if now >= next_announce:
                 if next_announce:
                     self._announce()
@@ -199,6 +203,7 @@ class Agent:
                            master_port=i.master_port, cmdline=i.cmdline[:512], libs=dict(r.attached))
 
     def _add(self, ident: discover.RankIdentity) -> None:
+        self._last_change = time.monotonic()
         r = self.ranks[ident.pid] = Rank(ident)
         for _, tr in self.families:
             tr.add_process(ident.pid, ident.rank, ident.job)
@@ -223,6 +228,7 @@ class Agent:
                                                 target=lib, message=str(e)))
                 continue
             r.attached[name] = lib
+            self._last_change = time.monotonic()
             self.shipper.put(ev.ProbeStatus(pid=r.ident.pid, family=name, ok=True, ts_ns=ts, target=lib,
                                             attached=len(att.points),
                                             message=("missing: " + ", ".join(att.missing)) if att.missing else ""))
@@ -232,6 +238,7 @@ class Agent:
         r = self.ranks.pop(pid, None)
         if r is None:
             return
+        self._last_change = time.monotonic()
         for fam, tr in self.families:
             fam.detach(pid)
             tr.forget(pid)
