@@ -34,9 +34,9 @@ sys.path.insert(0, ROOT)
 
 from ccld import events as ev  # noqa: E402
 from ccld.collector.store import StoreWriter  # noqa: E402
+from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 RESULTS = os.path.join(ROOT, "bench", "RESULTS.md")
-BEGIN, END = "<!-- export:begin -->", "<!-- export:end -->"
 GOAL_EVENTS_S = 1_000_000   # events written per second
 WORLD, NODES = 16, 2        # 8 ranks per node, one agent per node
 COLL_PERIOD_S = 0.002       # a collective every 2 ms (a busy data-parallel job)
@@ -213,19 +213,6 @@ def report(sizes: List[Dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(text: str) -> None:
-    old = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + block + rest.split(END, 1)[1]
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    with open(RESULTS + ".tmp", "w") as f:
-        f.write(new)
-    os.replace(RESULTS + ".tmp", RESULTS)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1000000,10000000", help="store sizes in events (comma-separated)")
@@ -254,7 +241,7 @@ def main() -> int:
     text = report(sizes)
     print(text)
     if args.write_results:
-        write_results(text)
+        write_section("export", text)
         print(f"updated {RESULTS}")
     return 0
 

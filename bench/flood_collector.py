@@ -24,7 +24,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any, Dict, List
 
@@ -39,7 +38,8 @@ import zmq  # noqa: E402
 from ccld import events as ev  # noqa: E402
 from ccld.collector import server  # noqa: E402
 from ccld.tracer import shipper  # noqa: E402
-from fuzz_collector import RssSampler, machine, write_section  # noqa: E402
+from fuzz_collector import RssSampler, machine  # noqa: E402
+from results import write_section  # noqa: E402
 
 SEQS_PER_FRAME = (shipper.MAX_BATCH - 1) // 3   # enter/start/end per collective, plus one clock sample
 EVENTS_PER_FRAME = 3 * SEQS_PER_FRAME + 1

@@ -41,6 +41,7 @@ import psutil  # noqa: E402
 import zmq  # noqa: E402
 
 from ccld import events as ev  # noqa: E402
+from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
 from ccld.collector.ingest import IngestCounters, decode_frame  # noqa: E402
 
 GOOD_EVERY = 10          # one good frame per 10: enough to prove good frames survive a flood of junk
@@ -437,20 +438,6 @@ def machine() -> str:
             f"{mem:.1f} GiB RAM, Linux {platform.release()}, Python {platform.python_version()}, "
             f"pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}, msgpack "
             f"{'.'.join(map(str, msgpack.version))}")
-
-
-def write_section(name: str, body: str, path: str = RESULTS) -> None:
-    """Replace what is between <!-- name:begin --> and <!-- name:end --> (append the section if absent)."""
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    text = open(path).read() if os.path.exists(path) else "# ccld benchmark results\n"
-    block = f"{begin}\n{body.rstrip()}\n{end}"
-    if begin in text and end in text and text.index(begin) < text.index(end):
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def fmt_counts(d: Dict[str, int]) -> str:

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ccld.tracer.agent import Agent  # noqa: E402
+from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 STEP_RX = re.compile(r"^rank 0 step (\d+) t ([\d.]+)$", re.M)
 PROGRESS_EVERY = 10  # steps between rank 0's timestamps: one sample of step time each
@@ -94,11 +95,8 @@ def run(windows: int, window_s: float) -> dict:
 
 
 def write_results(r: dict, cmd: str) -> None:
-    path = os.path.join(ROOT, "bench", "RESULTS.md")
-    text = open(path).read() if os.path.exists(path) else "# ccld benchmark results\n"
     colls_per_s = 4 * 1e3 / statistics.median(r["off_ms"])  # 4 collectives a step (2 allreduce, broadcast, barrier)
-    body = f"""<!-- overhead:begin -->
-### Job overhead of the agent (gloo probes + /proc), attached vs detached in one run
+    body = f"""### Job overhead of the agent (gloo probes + /proc), attached vs detached in one run
 
 `{cmd}` as root on {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}; a 4-rank gloo job (2 x allreduce,
 broadcast, barrier of 64 KiB per step, 3 ms compute), agent attached and detached in alternating
@@ -112,14 +110,8 @@ Per window (ms), detached: {', '.join(f'{x:.2f}' for x in r['off_ms'])}; attache
 Agent CPU while attached (user+sys of the agent's process, collector elsewhere, per wall second):
 {r['agent_cpu'] * 100:.1f} % of one core, shipping {r['events_per_s']:.0f} events/s at ~{colls_per_s:.0f} collectives/s per node
 (goal: <= 1 % of one core at 1,000 collectives/s). 4 ranks on 2 vCPUs: the ranks and the agent compete
-for the same cores, so the spread between windows is as large as the effect; read the ratio with that.
-<!-- overhead:end -->"""
-    if "<!-- overhead:begin -->" in text:
-        text = re.sub(r"<!-- overhead:begin -->.*?<!-- overhead:end -->", body, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + body + "\n"
-    with open(path, "w") as f:
-        f.write(text)
+for the same cores, so the spread between windows is as large as the effect; read the ratio with that."""
+    write_section("overhead", body)
 
 
 def main() -> None:

@@ -25,10 +25,10 @@ from typing import Dict, List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ccld import events as ev  # noqa: E402
+from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
 from ccld.collector import store as st  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-BEGIN, END = "<!-- store:begin -->", "<!-- store:end -->"
 
 
 def agent_frame(i: int, events: int) -> bytes:
@@ -209,21 +209,6 @@ def report(args, modes: Dict[str, Dict], paced: Dict[str, Dict], decode: Dict[st
     return "\n".join(lines)
 
 
-def write_section(text: str) -> None:
-    """Replace (or add) only the text between our markers; other helpers own the rest of the file."""
-    old = open(RESULTS).read() if os.path.exists(RESULTS) else "# Benchmark results\n"
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + block + rest.split(END, 1)[1]
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    tmp = RESULTS + ".store.tmp"
-    with open(tmp, "w") as f:
-        f.write(new)
-    os.replace(tmp, RESULTS)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=1.0, help="time per write run")
@@ -268,7 +253,7 @@ def main() -> int:
     print(f"corruption sweep ({time.perf_counter() - t:.1f} s): {sweep}")
     text = report(args, modes, paced, decode, sweep)
     if args.write_results:
-        write_section(text)
+        write_section("store", text)
     print(text)
     return 0
 
