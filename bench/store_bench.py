@@ -123,7 +123,7 @@ def corruption_sweep(root: str, trials: int, seed: int = 8) -> Dict:
         out = dict(trials=trials, by_kind={}, untouched=0, recovered_untouched=0, touched=0,
                    recovered_touched=0, phantom=0, exceptions=0, silent_losses=0, problems=0)
         for _ in range(trials):
-            kind, bad, touched = _corrupt(rng, raw, spans)
+            kind, bad, touched = corrupt(rng, raw, spans)
             out["by_kind"][kind] = out["by_kind"].get(kind, 0) + 1
             with open(seg, "wb") as f:
                 f.write(bad)
@@ -152,7 +152,10 @@ def corruption_sweep(root: str, trials: int, seed: int = 8) -> Dict:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _corrupt(rng: random.Random, raw: bytes, spans):
+def corrupt(rng: random.Random, raw: bytes, spans):
+    """One random corruption (byte flips, a run, truncation or inserted junk) of a segment whose
+    records occupy `spans`: returns (kind, damaged bytes, indexes of the records it touched).
+    Shared with tests/unit/test_store_durability.py."""
     kind = rng.choice(["flip", "flips", "run", "truncate", "insert"])
     b = bytearray(raw)
     touched = set()

@@ -16,6 +16,10 @@ import pytest
 from ccld import events as ev
 from ccld.collector import store as st
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "bench"))
+from store_bench import corrupt  # noqa: E402  (the same corruption generator as the benchmark's sweep)
+
 pytestmark = pytest.mark.unit
 
 HDR = st.RECORD_HEADER.size  # 20
@@ -191,31 +195,6 @@ def sweep_store(d):
         spans.append((off, off + HDR + len(f)))
         off += HDR + len(f)
     return frames, spans, open(seg, "rb").read()
-
-
-def corrupt(rng, raw, spans):
-    """Apply one random corruption; return (damaged bytes, touched record indexes, end of data)."""
-    kind = rng.choice(["flip", "flips", "run", "truncate", "insert"])
-    b = bytearray(raw)
-    touched = set()
-    if kind in ("flip", "flips", "run"):
-        if kind == "run":
-            start = rng.randrange(len(b))
-            positions = range(start, min(len(b), start + rng.randint(2, 64)))
-        else:
-            positions = rng.sample(range(len(b)), 1 if kind == "flip" else rng.randint(2, 4))
-        for pos in positions:
-            b[pos] ^= rng.randint(1, 255)  # always a change
-            touched |= {i for i, (s, e) in enumerate(spans) if s <= pos < e}
-    elif kind == "truncate":
-        cut = rng.randrange(len(b))
-        del b[cut:]
-        touched = {i for i, (s, e) in enumerate(spans) if e > cut}
-    else:
-        pos = rng.randrange(len(b) + 1)
-        b[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 40)))
-        touched = {i for i, (s, e) in enumerate(spans) if s < pos < e}
-    return kind, bytes(b), touched
 
 
 def test_corruption_sweep_never_raises_and_keeps_every_untouched_record(tmp_path):
