@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -59,17 +60,16 @@ def cmd_agent(args) -> int:
             print(fam.program_text())
         return 0
     from ccld.tracer.agent import Agent
-    agent = Agent(args.collector, pids=args.pid, discover_all=args.discover, use_bpf=not args.no_bpf, say=_say,
-                  keys=_client_keys(args))
     for pid in args.pid:
         try:
-            import os
             os.kill(pid, 0)
         except ProcessLookupError:
             raise CcldError(f"no process with pid {pid}") from None
         except PermissionError:
             raise CcldError(f"no permission to trace pid {pid}: run ccld as root (or the process's owner "
                             "with CAP_SYS_PTRACE)") from None
+    agent = Agent(args.collector, pids=args.pid, discover_all=args.discover, use_bpf=not args.no_bpf, say=_say,
+                  keys=_client_keys(args))
     agent.load()
     agent.start()
     what = f"pid {', '.join(map(str, args.pid))}" if args.pid else "every rank on this node"

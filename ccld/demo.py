@@ -95,7 +95,7 @@ def run(fault: str, ranks: int, seed: Optional[int], keep: Optional[str], say: C
     else:
         lag = found.detected_at - found.onset_at
         say(f"demo: ccld named rank{'s' if len(found.ranks) != 1 else ''} {found.ranks} "
-            f"({found.kind}/{getattr(found, 'class_', None) or found.to_json().get('class')}) "
+            f"({found.kind}/{found.cls}) "
             f"{lag:.1f} s after the wait began; the injected fault was on rank {bad_rank}: "
             f"{'correct' if named else 'WRONG'}")
         ok = named
