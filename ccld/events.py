@@ -29,7 +29,7 @@ import msgpack
 from ccld.errors import CcldError
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 0
+SCHEMA_MINOR = 1  # 1.1 added link, sched, qp and nic
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # agents send <= 2,048 events (~300 KiB) a frame; 4 MiB bounds a hostile one
 # 32x the shipper's MAX_BATCH. Checked by the MessagePack reader before it allocates anything: a
 # 16 MiB frame of 16M one-byte junk events once took 7 GiB and 80 s to reject.
@@ -215,10 +215,84 @@ class LossCounters(Event):
     counters: Dict[str, int]
 
 
+@dataclass(frozen=True)
+class LinkStats(Event):
+    """One TCP connection of a rank, as this side sees it: cumulative counters since the agent first
+    saw it, sent whenever they change (so a lost frame loses no bytes, only resolution).
+    Addresses are text (IPv4 dotted or IPv6); ports are host order; `srtt_us`/`cwnd` are the latest
+    sample (0 when none); `last_tx_ns`/`last_rx_ns` are this node's CLOCK_MONOTONIC."""
+    KIND: ClassVar[str] = "link"
+    pid: int
+    rank: int
+    ts_ns: int
+    saddr: str
+    sport: int
+    daddr: str
+    dport: int
+    tx_bytes: int = 0
+    rx_bytes: int = 0
+    tx_calls: int = 0
+    rx_calls: int = 0
+    tx_errs: int = 0
+    rx_errs: int = 0
+    retrans: int = 0
+    resets: int = 0
+    srtt_us: int = 0
+    cwnd: int = 0
+    state: str = ""
+    last_tx_ns: int = 0
+    last_rx_ns: int = 0
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class SchedStats(Event):
+    """CPU scheduling of one rank's threads, cumulative: time spent runnable but waiting for a CPU
+    (runqueue), time off CPU while blocked, and the longest single runqueue wait since the last report."""
+    KIND: ClassVar[str] = "sched"
+    pid: int
+    rank: int
+    ts_ns: int
+    runq_ns: int = 0
+    runq_waits: int = 0
+    runq_max_ns: int = 0
+    offcpu_ns: int = 0
+    switches: int = 0
+
+
+@dataclass(frozen=True)
+class QpInfo(Event):
+    """An RDMA queue pair of a rank was created or moved to a new state (libibverbs control path).
+    `dgid` is the remote GID as 32 hex digits ("" when not known), `dest_qp_num` the remote QP."""
+    KIND: ClassVar[str] = "qp"
+    pid: int
+    rank: int
+    ts_ns: int
+    qp_num: int
+    state: str = ""
+    dest_qp_num: int = -1
+    dgid: str = ""
+    dlid: int = -1
+    port: int = -1
+    call: str = ""
+
+
+@dataclass(frozen=True)
+class NicCounters(Event):
+    """Counters of one InfiniBand/RoCE port from /sys/class/infiniband/DEV/ports/PORT/counters
+    (cumulative, as the NIC reports them)."""
+    KIND: ClassVar[str] = "nic"
+    ts_ns: int
+    device: str
+    port: int
+    counters: Dict[str, int] = field(default_factory=dict)
+
+
 EVENT_TYPES: Dict[str, Type[Event]] = {
     cls.KIND: cls
     for cls in (AgentHello, ClockSample, RankInfo, RankExit, RankState, CommInit,
-                CollEnter, WorkStart, WorkEnd, P2P, ProbeStatus, LossCounters)
+                CollEnter, WorkStart, WorkEnd, P2P, ProbeStatus, LossCounters,
+                LinkStats, SchedStats, QpInfo, NicCounters)
 }
 
 _FIELDS: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {}
