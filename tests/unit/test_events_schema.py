@@ -27,6 +27,14 @@ ONE_OF_EACH = [
     ev.ProbeStatus(pid=100, family="gloo", ok=True, ts_ns=19, target="/x/libtorch_cpu.so", attached=12,
                    message="ok"),
     ev.LossCounters(ts_ns=20, counters={"ringbuf_lost": 3, "queue_dropped": 0}),
+    ev.LinkStats(pid=100, rank=3, ts_ns=21, saddr="10.0.0.4", sport=40000, daddr="10.0.0.1", dport=29500,
+                 tx_bytes=1 << 40, rx_bytes=5, tx_calls=2, rx_calls=1, tx_errs=0, rx_errs=1, retrans=7,
+                 resets=1, srtt_us=55, cwnd=10, state="ESTABLISHED", last_tx_ns=20, last_rx_ns=19, closed=True),
+    ev.SchedStats(pid=100, rank=3, ts_ns=22, runq_ns=5000, runq_waits=3, runq_max_ns=4000, offcpu_ns=9,
+                  switches=12),
+    ev.QpInfo(pid=100, rank=3, ts_ns=23, qp_num=0x11, state="RTR", dest_qp_num=0x22,
+              dgid="fe800000000000000000000000000001", dlid=4, port=1, call="ibv_modify_qp"),
+    ev.NicCounters(ts_ns=24, device="mlx5_0", port=1, counters={"port_xmit_wait": 12, "symbol_error": 0}),
 ]
 
 
