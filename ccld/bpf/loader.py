@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -90,7 +91,7 @@ class Family:
             text = f.read()
         return f"// cflags: {' '.join(self.all_cflags())}\n{text}"
 
-    def load(self) -> None:
+    def _compile(self) -> None:
         from bcc import BPF
         from ccld.bpf.kheaders import ensure_kernel_headers
         ensure_kernel_headers()
@@ -99,6 +100,9 @@ class Family:
         except Exception as e:
             raise EnvironmentProblem(f"could not compile/load {self.SOURCE}: {e}",
                                      "check kernel headers (apt-get install linux-headers-amd64) and that you are root")
+
+    def load(self) -> None:
+        self._compile()
         self.bpf[b"events"].open_ring_buffer(self._on_raw)
 
     def _on_raw(self, _ctx, data, size) -> int:
@@ -243,3 +247,65 @@ class Family:
             self.libs.clear()
         self.bpf.cleanup()
         self.bpf = None
+
+
+TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+
+
+def ensure_tracefs() -> None:
+    """bcc reads tracepoint formats from tracefs to build TRACEPOINT_PROBE's `args`; mount it where a
+    minimal system (a container, a fresh VM) has not."""
+    if any(os.path.isdir(os.path.join(d, "events")) for d in TRACEFS):
+        return
+    import subprocess
+    got = subprocess.run(["mount", "-t", "tracefs", "nodev", TRACEFS[0]], capture_output=True, text=True)
+    if got.returncode != 0:
+        raise EnvironmentProblem(f"tracefs is not mounted and mounting it failed: {got.stderr.strip()}",
+                                 f"mount -t tracefs nodev {TRACEFS[0]}")
+
+
+class KernelFamily(Family):
+    """A family of kernel tracepoints rather than library uprobes.
+
+    Its programs attach to the whole kernel when it loads (bcc attaches TRACEPOINT_PROBEs itself),
+    are filtered in the kernel by the `traced` tgid set that attach/detach maintain, and aggregate in
+    maps instead of writing records; `drain()` reads those maps every DRAIN_MS. "Attaching" a process
+    is one map update, so there is no library to find: `find_lib` answers LIB for any live process.
+    """
+
+    LIB = "kernel"
+    DRAIN_MS = 500  # link and scheduler counters are per-interval sums; 0.5 s is finer than any finding needs
+
+    def __init__(self, on_record: Callable[[int, object], None], cflags: Sequence[str] = ()):
+        super().__init__(on_record, cflags)
+        self._next_drain = 0.0
+
+    def load(self) -> None:
+        ensure_tracefs()
+        self._compile()
+
+    def find_lib(self, pid: int) -> Optional[str]:
+        return self.LIB if os.path.isdir(f"/proc/{pid}") else None
+
+    def _attach_lib(self, lib: str) -> Attachment:
+        return Attachment(-1, lib)
+
+    def poll(self, timeout_ms: int) -> None:
+        """Wait timeout_ms (the agent's poll share), then drain if an interval has passed; poll(0)
+        drains at once (the agent does that before it forgets a dead process, and when it stops)."""
+        if timeout_ms > 0:
+            time.sleep(timeout_ms / 1000)
+        now = time.monotonic()
+        if timeout_ms == 0 or now >= self._next_drain:
+            self._next_drain = now + self.DRAIN_MS / 1000
+            try:
+                self.drain()
+            except Exception:  # one bad read must not end tracing; the next interval tries again
+                log.exception("%s: drain failed", self.NAME)
+                self.bad_records["drain-error"] = self.bad_records.get("drain-error", 0) + 1
+
+    def drain(self) -> None:
+        raise NotImplementedError
+
+    def lost(self) -> int:
+        return 0  # nothing is written to a ring buffer; LRU evictions are counted by the family itself

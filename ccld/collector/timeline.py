@@ -20,6 +20,7 @@ from typing import Any, Deque, Dict, Optional, Set, Tuple
 
 from ccld import events as ev
 from ccld.collector.clock import ClockTable
+from ccld.collector.links import LinkTable
 
 MAX_COLLS_PER_COMM = 4096     # hang detection looks at the newest; 4096 covers minutes of a fast job
 MAX_COMMS = 10_000            # process groups per collector; real jobs have a handful per job
@@ -49,6 +50,13 @@ class RankRecord:
     exit_reason: str = ""
     last_event_at: Optional[float] = None
     last_p2p: Optional[Tuple[str, int, float]] = None  # (op, peer, at)
+    # Scheduler (SchedStats, cumulative ns): waiting for a CPU while runnable, and off CPU while blocked.
+    runq_ns: int = -1
+    runq_waits: int = 0
+    offcpu_ns: int = -1
+    runq_max_ns: int = 0              # longest single wait in the latest report's interval
+    runq_share: Optional[float] = None  # runqueue seconds per second between the last two reports
+    sched_at: Optional[float] = None
 
     def stopped(self) -> bool:
         return self.state in ("T", "t")
@@ -112,6 +120,7 @@ class Timeline:
         self.agent_loss: Dict[str, Dict[str, int]] = {}
         self.events_by_kind: collections.Counter = collections.Counter()
         self.anomalies: collections.Counter = collections.Counter()
+        self.links = LinkTable(self.anomalies)
         # Exact per-(global rank, op) counts, for tests and sanity checks (all jobs together).
         self.enter_counts: collections.Counter = collections.Counter()
         self.end_counts: collections.Counter = collections.Counter()
@@ -173,6 +182,13 @@ class Timeline:
                                                     "message": e.message, "at": t}
         elif isinstance(e, ev.RankInfo):
             self._rank_info(agent, node, e, t)
+        elif isinstance(e, ev.LinkStats):
+            rec = self.ranks.get((node, e.pid))
+            if rec is not None:
+                rec.last_event_at = t if rec.last_event_at is None else max(rec.last_event_at, t)
+            self.links.update(node, rec.job if rec else "", e, t, lambda ns: self.clock.to_unix(agent, ns))
+        elif isinstance(e, ev.SchedStats):
+            self._sched(node, e, t)
         elif isinstance(e, _RANK_EVENTS):
             self._rank_event(agent, node, e, t)
         else:
@@ -196,6 +212,18 @@ class Timeline:
             self.jobs.setdefault(e.job, -1)
         if e.rank >= 0:
             self.by_rank[(e.job, e.rank)] = (node, e.pid)  # a restarted rank (new pid) replaces the old
+        self.links.note_job(e.job, e.master_addr, e.master_port)
+
+    def _sched(self, node: str, e: ev.SchedStats, t: float) -> None:
+        rec = self.ranks.get((node, e.pid))
+        if rec is None:
+            self.anomalies["unknown-pid"] += 1
+            return
+        if rec.sched_at is not None and rec.runq_ns >= 0 and e.runq_ns >= rec.runq_ns and t > rec.sched_at:
+            rec.runq_share = (e.runq_ns - rec.runq_ns) / 1e9 / (t - rec.sched_at)
+        rec.runq_ns, rec.runq_waits, rec.offcpu_ns = e.runq_ns, e.runq_waits, e.offcpu_ns
+        rec.runq_max_ns, rec.sched_at = e.runq_max_ns, t
+        rec.last_event_at = t if rec.last_event_at is None else max(rec.last_event_at, t)
 
     def _rank_event(self, agent: str, node: str, e: ev.Event, t: float) -> None:
         rec = self.ranks.get((node, e.pid))

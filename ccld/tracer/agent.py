@@ -44,30 +44,46 @@ class Rank:
     last_state_at: float = 0.0
 
 
-def _families(emit: Callable[[ev.Event], None]):
-    """(family, translator) pairs for every probe family this build has."""
+FAMILY_NAMES = ("gloo", "nccl", "net", "sched")  # every probe family this build has, in load order
+
+
+def _families(emit: Callable[[ev.Event], None], names: Sequence[str] = FAMILY_NAMES):
+    """(family, translator) pairs for the probe families named (default: all)."""
     from ccld.bpf.gloo import GlooFamily, GlooTranslator
+    from ccld.bpf.nccl import NcclFamily, NcclTranslator
+    from ccld.bpf.net import NetFamily, NetTranslator
+    from ccld.bpf.sched import SchedFamily, SchedTranslator
+    builders = {"gloo": (GlooFamily, GlooTranslator), "nccl": (NcclFamily, NcclTranslator),
+                "net": (NetFamily, NetTranslator), "sched": (SchedFamily, SchedTranslator)}
     out = []
-    tr = GlooTranslator(emit)
-    out.append((GlooFamily(tr), tr))
-    try:
-        from ccld.bpf.nccl import NcclFamily, NcclTranslator
-    except ImportError:
-        return out
-    tr = NcclTranslator(emit)
-    out.append((NcclFamily(tr), tr))
+    for name in FAMILY_NAMES:
+        if name in names:
+            fam_cls, tr_cls = builders[name]
+            tr = tr_cls(emit)
+            out.append((fam_cls(tr), tr))
     return out
+
+
+def parse_probes(text: str) -> List[str]:
+    """`--probes gloo,net` -> ["gloo", "net"]; an unknown name is an error that lists the known ones."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in FAMILY_NAMES]
+    if bad or not names:
+        raise CcldError(f"--probes: unknown probe famil{'ies' if len(bad) > 1 else 'y'} {', '.join(bad) or '(none)'}"
+                        f"; choose from {','.join(FAMILY_NAMES)}")
+    return names
 
 
 class Agent:
     def __init__(self, endpoint: str, *, pids: Sequence[int] = (), root_pid: Optional[int] = None,
                  discover_all: bool = False, use_bpf: bool = True, say: Callable[[str], None] = print,
-                 node: Optional[str] = None, keys=None):
+                 node: Optional[str] = None, keys=None, probes: Sequence[str] = FAMILY_NAMES):
         if not pids and root_pid is None and not discover_all:
             raise CcldError("the agent needs something to trace: --pid PID, --discover, or a command (ccld run)")
         self.endpoint = endpoint
         self.pids, self.root_pid, self.discover_all = list(pids), root_pid, discover_all
         self.use_bpf = use_bpf
+        self.probes = list(probes)
         self.say = say
         self.node = node or socket.gethostname()
         self.agent_id = f"{self.node}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -89,14 +105,20 @@ class Agent:
             from ccld.bpf.loader import bpf_available
             self.bpf_problem = bpf_available()
             if self.bpf_problem is None:
-                for fam, tr in _families(self.shipper.put):
+                failed = []
+                for fam, tr in _families(self.shipper.put, self.probes):
                     try:
                         fam.load()
                     except EnvironmentProblem as e:
-                        self.bpf_problem = e
-                        break
+                        failed.append((fam.NAME, e))
+                        continue
                     self.families.append((fam, tr))
                     self.sources.append(f"{fam.NAME} (eBPF)")
+                if failed and not self.families:
+                    self.bpf_problem = failed[0][1]  # nothing loads: the environment, not one family
+                else:
+                    for name, e in failed:  # one family that cannot load costs only its own events
+                        self.say(f"ccld: warning: {name} probes are off: {e} (fix: {e.hint})")
             if self.bpf_problem is not None:
                 self.say(f"ccld: eBPF probes are off: {self.bpf_problem} (fix: {self.bpf_problem.hint}); "
                          f"tracing with /proc only")

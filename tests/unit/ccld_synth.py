@@ -114,3 +114,51 @@ class SynthJob:
         """Ship everything pending to `timeline` as frames received at t_send."""
         for f in self.frames(t_send):
             timeline.ingest(ev.decode_batch(f), t_send)
+
+
+def rank_ip(r: int) -> str:
+    return f"10.9.0.{r + 1}"
+
+
+def rank_port(r: int, peer: int) -> int:
+    """The local port of rank r's connection to `peer` (unique per rank and peer)."""
+    return 20000 + 100 * r + peer
+
+
+class SynthLinks:
+    """Both ends of every rank pair's TCP connection of a SynthJob, reported as LinkStats.
+
+    Counters are cumulative, as the agent ships them: `send(r, peer, t, nbytes, ...)` adds to rank r's
+    side of the (r, peer) connection and to the peer's receive side, then queues both reports."""
+
+    def __init__(self, job: "SynthJob"):
+        self.job = job
+        self.c: Dict[tuple, Dict[str, int]] = {}
+
+    def _side(self, r: int, peer: int) -> Dict[str, int]:
+        return self.c.setdefault((r, peer), dict(tx_bytes=0, rx_bytes=0, retrans=0, resets=0, srtt_us=0))
+
+    def report(self, r: int, peer: int, t: float, **extra) -> None:
+        s = self._side(r, peer)
+        self.job._put(r, ev.LinkStats(pid=self.job.pid[r], rank=r, ts_ns=self.job.ts(r, t), saddr=rank_ip(r),
+                                      sport=rank_port(r, peer), daddr=rank_ip(peer), dport=rank_port(peer, r),
+                                      state="ESTABLISHED", **dict(s, **extra)))
+
+    def send(self, r: int, peer: int, t: float, nbytes: int, srtt_us: int = 50, retrans: int = 0,
+             resets: int = 0) -> None:
+        me, them = self._side(r, peer), self._side(peer, r)
+        me["tx_bytes"] += nbytes
+        me["retrans"] += retrans
+        me["resets"] += resets
+        me["srtt_us"] = srtt_us
+        them["rx_bytes"] += nbytes
+        self.report(r, peer, t)
+        self.report(peer, r, t)
+
+    def ring(self, t: float, nbytes: int = 16384, srtt: Optional[Dict[tuple, int]] = None,
+             retrans: Optional[Dict[tuple, int]] = None) -> None:
+        """Every rank sends nbytes to the next one (a ring all-reduce's traffic)."""
+        w = self.job.world
+        for r in range(w):
+            p = (r, (r + 1) % w)
+            self.send(r, p[1], t, nbytes, srtt_us=(srtt or {}).get(p, 50), retrans=(retrans or {}).get(p, 0))

@@ -1,0 +1,216 @@
+/* net.bpf.c: per-connection TCP metrics of the traced processes, aggregated in the kernel.
+ *
+ * Attach points (tracepoints only: this kernel has no kprobes; all are stable tracepoint formats):
+ *   sock:sock_send_length / sock:sock_recv_length   process context: bytes, calls, errors per socket;
+ *                                                   the first one of a traced process adds the socket
+ *   tcp:tcp_probe             softirq (ACK processing): smoothed RTT (us) and congestion window
+ *   tcp:tcp_retransmit_skb    retransmissions
+ *   tcp:tcp_receive_reset / tcp:tcp_send_reset      resets, either way
+ *   sock:inet_sock_set_state  TCP state changes (ESTABLISHED -> CLOSE...)
+ * Everything but the send/recv pair fires outside the process (softirq, timers), so those programs
+ * filter by socket: only sockets already in `conns` (added by a traced process's send/recv) count.
+ *
+ * Maps: traced (tgid set, filled by the agent), conns (LRU: struct sock * -> cumulative counters and
+ * the connection's 4-tuple). The agent reads `conns` every interval and ships what changed: one
+ * record per connection per interval, never one per packet. Addresses and ports are read from the
+ * socket at offsets the loader takes from the running kernel's BTF (-DSKC_*_OFF), never from headers.
+ * Counters are updated with atomic adds: a socket is touched from several CPUs at once. An entry in
+ * state CLOSE is frozen until the agent's next drain ships and deletes it (its pointer may be reused).
+ * Minimum kernel: 5.8 (sock_send_length needs 6.1; tcp_probe's skaddr 5.x).
+ */
+#include <uapi/linux/ptrace.h>
+
+#ifndef CCLD_MAX_PROCS
+#define CCLD_MAX_PROCS 4096
+#endif
+#ifndef CCLD_MAX_CONNS
+#define CCLD_MAX_CONNS 65536  /* a 4,096-rank full mesh from one 8-rank node: 32k sockets */
+#endif
+/* struct sock member offsets; the loader always passes the running kernel's (ccld/bpf/btf.py).
+ * These defaults are 6.x x86-64 values, only so that `--ebpf` output compiles on its own. */
+#ifndef SKC_DADDR_OFF
+#define SKC_DADDR_OFF 0
+#endif
+#ifndef SKC_RCV_SADDR_OFF
+#define SKC_RCV_SADDR_OFF 4
+#endif
+#ifndef SKC_DPORT_OFF
+#define SKC_DPORT_OFF 12
+#endif
+#ifndef SKC_NUM_OFF
+#define SKC_NUM_OFF 14
+#endif
+#ifndef SKC_FAMILY_OFF
+#define SKC_FAMILY_OFF 16
+#endif
+#ifndef SKC_STATE_OFF
+#define SKC_STATE_OFF 18
+#endif
+#ifndef SKC_V6_DADDR_OFF
+#define SKC_V6_DADDR_OFF 56
+#endif
+#ifndef SKC_V6_RCV_SADDR_OFF
+#define SKC_V6_RCV_SADDR_OFF 72
+#endif
+
+#define CCLD_AF_INET 2
+#define CCLD_AF_INET6 10
+#define CCLD_IPPROTO_TCP 6
+#define CCLD_EAGAIN 11
+#define CCLD_TCP_CLOSE 7
+
+#ifndef CCLD_HAVE_SK_RST_REASON
+/* tcp_send_reset's format names `enum sk_rst_reason` (6.10+); bcc builds `args` from that format, so
+ * the type must exist even where the kernel headers in use are older. Only its size matters here. */
+enum sk_rst_reason { CCLD_SK_RST_REASON_UNUSED = 0 };
+#endif
+
+struct conn {
+    u32 tgid;
+    u16 family;
+    u16 sport;      /* host order */
+    u16 dport;      /* host order */
+    u16 pad;
+    s32 state;      /* latest TCP state (include/net/tcp_states.h), 0 = not seen */
+    u8 saddr[16];   /* IPv4 in the first 4 bytes */
+    u8 daddr[16];
+    u64 tx_bytes;
+    u64 rx_bytes;
+    u64 tx_calls;
+    u64 rx_calls;
+    u64 tx_errs;
+    u64 rx_errs;
+    u64 retrans;
+    u64 resets;
+    u64 srtt_us;    /* latest tcp_probe sample */
+    u64 cwnd;
+    u64 last_tx_ns;
+    u64 last_rx_ns;
+};
+_Static_assert(sizeof(struct conn) == 144, "conn is 144 bytes (mirror: net.py Conn)");
+
+BPF_HASH(traced, u32, u8, CCLD_MAX_PROCS);
+BPF_TABLE("lru_hash", u64, struct conn, conns, CCLD_MAX_CONNS);
+
+static __always_inline void read_tuple(struct conn *c, const void *sk)
+{
+    u16 family = 0, sport = 0, dport = 0;
+    u8 state = 0;
+    bpf_probe_read_kernel(&family, sizeof(family), (const char *)sk + SKC_FAMILY_OFF);
+    bpf_probe_read_kernel(&state, sizeof(state), (const char *)sk + SKC_STATE_OFF);
+    c->state = state;
+    bpf_probe_read_kernel(&sport, sizeof(sport), (const char *)sk + SKC_NUM_OFF);   /* host order */
+    bpf_probe_read_kernel(&dport, sizeof(dport), (const char *)sk + SKC_DPORT_OFF); /* network order */
+    c->family = family;
+    c->sport = sport;
+    c->dport = (u16)((dport >> 8) | (dport << 8));
+    if (family == CCLD_AF_INET6) {
+        bpf_probe_read_kernel(c->saddr, 16, (const char *)sk + SKC_V6_RCV_SADDR_OFF);
+        bpf_probe_read_kernel(c->daddr, 16, (const char *)sk + SKC_V6_DADDR_OFF);
+    } else {
+        bpf_probe_read_kernel(c->saddr, 4, (const char *)sk + SKC_RCV_SADDR_OFF);
+        bpf_probe_read_kernel(c->daddr, 4, (const char *)sk + SKC_DADDR_OFF);
+    }
+}
+
+/* The send/recv pair: the process's own thread, so the tgid filter applies here. */
+static __always_inline int on_length(const void *sk, u16 family, u16 protocol, int ret, int is_tx)
+{
+    if (protocol != CCLD_IPPROTO_TCP || (family != CCLD_AF_INET && family != CCLD_AF_INET6))
+        return 0;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!traced.lookup(&tgid))
+        return 0;
+    u64 key = (u64)sk;
+    struct conn *c = conns.lookup(&key);
+    if (!c || c->state == CCLD_TCP_CLOSE) {
+        /* New, or the memory of a closed socket reused for a new one before the agent's drain (the
+         * old connection's last interval is lost then; counting it into the new one would be worse). */
+        struct conn fresh = {};
+        fresh.tgid = tgid;
+        read_tuple(&fresh, sk);
+        conns.update(&key, &fresh);
+        c = conns.lookup(&key);
+        if (!c)
+            return 0;
+    }
+    u64 now = bpf_ktime_get_ns();
+    if (ret > 0) {
+        if (is_tx) {
+            __sync_fetch_and_add(&c->tx_bytes, (u64)ret);
+            __sync_fetch_and_add(&c->tx_calls, 1);
+            c->last_tx_ns = now;
+        } else {
+            __sync_fetch_and_add(&c->rx_bytes, (u64)ret);
+            __sync_fetch_and_add(&c->rx_calls, 1);
+            c->last_rx_ns = now;
+        }
+    } else if (ret < 0 && ret != -CCLD_EAGAIN) {  /* EAGAIN is a non-blocking socket's "not now" */
+        if (is_tx)
+            __sync_fetch_and_add(&c->tx_errs, 1);
+        else
+            __sync_fetch_and_add(&c->rx_errs, 1);
+    }
+    return 0;
+}
+
+TRACEPOINT_PROBE(sock, sock_send_length)
+{
+    return on_length(args->sk, args->family, args->protocol, args->ret, 1);
+}
+
+TRACEPOINT_PROBE(sock, sock_recv_length)
+{
+    return on_length(args->sk, args->family, args->protocol, args->ret, 0);
+}
+
+TRACEPOINT_PROBE(tcp, tcp_probe)
+{
+    u64 key = (u64)args->skaddr;
+    struct conn *c = conns.lookup(&key);
+    if (!c || c->state == CCLD_TCP_CLOSE)
+        return 0;
+    c->srtt_us = args->srtt;  /* the tracepoint already shifts tp->srtt_us >> 3: microseconds */
+    c->cwnd = args->snd_cwnd;
+    return 0;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
+{
+    u64 key = (u64)args->skaddr;
+    struct conn *c = conns.lookup(&key);
+    if (c && c->state != CCLD_TCP_CLOSE)
+        __sync_fetch_and_add(&c->retrans, 1);
+    return 0;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_receive_reset)
+{
+    u64 key = (u64)args->skaddr;
+    struct conn *c = conns.lookup(&key);
+    if (c && c->state != CCLD_TCP_CLOSE)
+        __sync_fetch_and_add(&c->resets, 1);
+    return 0;
+}
+
+TRACEPOINT_PROBE(tcp, tcp_send_reset)
+{
+    u64 key = (u64)args->skaddr;
+    struct conn *c = conns.lookup(&key);
+    if (c && c->state != CCLD_TCP_CLOSE)
+        __sync_fetch_and_add(&c->resets, 1);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sock, inet_sock_set_state)
+{
+    if (args->protocol != CCLD_IPPROTO_TCP)
+        return 0;
+    u64 key = (u64)args->skaddr;
+    struct conn *c = conns.lookup(&key);
+    /* A CLOSE entry is finished: the agent ships and deletes it. Until then the freed socket's memory
+     * may already belong to someone else's new socket, whose changes must not land here. */
+    if (c && c->state != CCLD_TCP_CLOSE)
+        c->state = args->newstate;
+    return 0;
+}

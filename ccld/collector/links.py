@@ -1,0 +1,271 @@
+"""The link table: every rank's TCP connections joined across ranks into rank pairs, over time.
+
+Each agent reports its own side of a connection (LinkStats: cumulative counters and the 4-tuple as
+that side sees it). The far end of a connection is the local end of another rank's connection with
+the same two endpoints reversed, so (daddr, dport) looked up among all known local endpoints names the
+peer rank. Loopback addresses are only unique within one node, so they are scoped by node. A
+connection whose far end is the job's rendezvous port (MASTER_ADDR:MASTER_PORT, the TCPStore) is
+labelled "store"; one whose far end is no known rank is "external".
+
+Over time: each connection's counter deltas go into per-(job, src rank, dst rank) one-second buckets
+(a bounded ring, SERIES_BUCKETS long): bytes sent src->dst, retransmissions (counted by the sender),
+resets, and the sender's smoothed RTT. Times are Unix seconds (converted by the Timeline's clock).
+Bounds: MAX_CONNS connections, MAX_PAIRS pairs; the rest is counted in the timeline's anomalies.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional, Tuple
+
+from ccld import events as ev
+
+MAX_CONNS = 262_144     # 16,384 ranks x 16 connections each; a LinkStats for more is dropped and counted
+MAX_PAIRS = 262_144
+MAX_UNPLACED = 32       # deltas held per connection while its far end is unknown; older ones are merged
+BUCKET_S = 1.0          # link series resolution: finer than any finding needs, coarse enough to stay small
+SERIES_BUCKETS = 900    # 15 minutes of history per rank pair
+LOOPBACK_PREFIXES = ("127.", "::1", "0.0.0.0", "::")
+
+ConnKey = Tuple[str, int, str, int, str, int]  # (node, pid, saddr, sport, daddr, dport)
+
+
+@dataclass
+class Conn:
+    node: str
+    pid: int
+    rank: int
+    job: str
+    saddr: str
+    sport: int
+    daddr: str
+    dport: int
+    first_at: float
+    updated_at: float = 0.0
+    tx_bytes: int = 0
+    rx_bytes: int = 0
+    tx_errs: int = 0
+    rx_errs: int = 0
+    retrans: int = 0
+    resets: int = 0
+    srtt_us: int = 0
+    cwnd: int = 0
+    state: str = ""
+    closed: bool = False
+    last_tx_at: Optional[float] = None
+    last_rx_at: Optional[float] = None
+    progress_at: Optional[float] = None   # when tx or rx bytes last grew (report time)
+    retrans_at: Optional[float] = None    # when retransmissions last grew
+    reset_at: Optional[float] = None
+    # Deltas reported before the far end was known (each side's first report usually arrives before
+    # the other side's): (t, tx, retrans, resets, errs, srtt_us), added to the series once it is.
+    unplaced: List[Tuple[float, int, int, int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class Bucket:
+    t0: float
+    tx_bytes: int = 0
+    retrans: int = 0
+    resets: int = 0
+    errs: int = 0
+    srtt_max_us: int = 0
+    srtt_sum_us: int = 0
+    srtt_n: int = 0
+
+
+@dataclass
+class PairSummary:
+    """One direction of one rank pair over a window (JSON-ready through as_dict)."""
+    src: int
+    dst: int
+    tx_bytes: int = 0
+    retrans: int = 0
+    resets: int = 0
+    errs: int = 0
+    srtt_max_us: int = 0
+    srtt_mean_us: float = 0.0
+    seconds: int = 0   # buckets in the window with any report
+
+    def as_dict(self) -> Dict[str, float]:
+        return {"src": self.src, "dst": self.dst, "tx_bytes": self.tx_bytes, "retrans": self.retrans,
+                "resets": self.resets, "errs": self.errs, "srtt_max_us": self.srtt_max_us,
+                "srtt_mean_us": round(self.srtt_mean_us, 1), "seconds": self.seconds}
+
+
+def _scope(node: str, addr: str) -> str:
+    return node if addr.startswith(LOOPBACK_PREFIXES) else ""
+
+
+class LinkTable:
+    def __init__(self, anomalies: "collections.Counter"):
+        self.anomalies = anomalies
+        self.conns: Dict[ConnKey, Conn] = {}
+        self.endpoints: Dict[Tuple[str, str, int], ConnKey] = {}   # (scope, addr, port) -> conn with that local end
+        self.series: Dict[Tuple[str, int, int], Deque[Bucket]] = {}
+        self.job_store: Dict[str, Tuple[str, int]] = {}            # job -> (master addr, master port)
+
+    # ---- ingest ---------------------------------------------------------------------------------
+
+    def note_job(self, job: str, master_addr: str, master_port: int) -> None:
+        if job and master_port > 0:
+            self.job_store[job] = (master_addr, master_port)
+
+    def update(self, node: str, job: str, e: ev.LinkStats, t: float, to_unix: Callable[[int], float]) -> None:
+        key = (node, e.pid, e.saddr, e.sport, e.daddr, e.dport)
+        c = self.conns.get(key)
+        if c is None:
+            if len(self.conns) >= MAX_CONNS:
+                self._evict_closed()
+            if len(self.conns) >= MAX_CONNS:
+                self.anomalies["links-over-bound"] += 1
+                return
+            c = self.conns[key] = Conn(node=node, pid=e.pid, rank=e.rank, job=job, saddr=e.saddr, sport=e.sport,
+                                       daddr=e.daddr, dport=e.dport, first_at=t)
+            self.endpoints[(_scope(node, e.saddr), e.saddr, e.sport)] = key
+        if t < c.updated_at:
+            self.anomalies["link-out-of-order"] += 1  # an older report after a newer one: keep the newer
+            return
+        d_tx, d_rx = e.tx_bytes - c.tx_bytes, e.rx_bytes - c.rx_bytes
+        d_re, d_rs = e.retrans - c.retrans, e.resets - c.resets
+        d_err = (e.tx_errs - c.tx_errs) + (e.rx_errs - c.rx_errs)
+        if min(d_tx, d_rx, d_re, d_rs) < 0:
+            # Counters went down: the agent restarted (it counts from when it attached). Start over.
+            self.anomalies["link-counter-reset"] += 1
+            d_tx, d_rx, d_re, d_rs, d_err = e.tx_bytes, e.rx_bytes, e.retrans, e.resets, e.tx_errs + e.rx_errs
+        if d_tx or d_rx:
+            c.progress_at = t
+        if d_re:
+            c.retrans_at = t
+        if d_rs:
+            c.reset_at = t
+        c.updated_at = t
+        c.tx_bytes, c.rx_bytes, c.retrans, c.resets = e.tx_bytes, e.rx_bytes, e.retrans, e.resets
+        c.tx_errs, c.rx_errs, c.srtt_us, c.cwnd = e.tx_errs, e.rx_errs, e.srtt_us, e.cwnd
+        c.state, c.closed = e.state, e.closed
+        c.last_tx_at = to_unix(e.last_tx_ns) if e.last_tx_ns else c.last_tx_at
+        c.last_rx_at = to_unix(e.last_rx_ns) if e.last_rx_ns else c.last_rx_at
+        delta = (t, d_tx, d_re, d_rs, d_err, e.srtt_us if d_tx else 0)
+        peer = self.peer_rank(c)
+        if peer is None:
+            if len(c.unplaced) >= MAX_UNPLACED:
+                old = c.unplaced.pop(0)
+                nxt = c.unplaced[0]
+                c.unplaced[0] = (nxt[0],) + tuple(a + b for a, b in zip(old[1:5], nxt[1:5])) + (nxt[5],)
+            c.unplaced.append(delta)
+        else:
+            self._place(c, peer, [delta])
+        far = self.endpoints.get((_scope(node, e.daddr), e.daddr, e.dport))
+        other = self.conns.get(far) if far is not None else None
+        if other is not None and other.unplaced:  # we are the far end it was waiting for
+            back = self.peer_rank(other)
+            if back is not None:
+                self._place(other, back, other.unplaced)
+                other.unplaced = []
+
+    def _place(self, c: Conn, peer: int, deltas) -> None:
+        for t, tx, re, rs, err, srtt in deltas:
+            self._add_to_series(c.job, c.rank, peer, t, tx, re, rs, err, srtt)
+        if deltas is c.unplaced:
+            c.unplaced = []
+
+    def _evict_closed(self) -> None:
+        """Forget closed connections (their bytes are already in the series) to make room."""
+        for key in [k for k, c in self.conns.items() if c.closed]:
+            c = self.conns.pop(key)
+            ep = (_scope(c.node, c.saddr), c.saddr, c.sport)
+            if self.endpoints.get(ep) == key:
+                del self.endpoints[ep]
+
+    def _add_to_series(self, job: str, src: int, dst: int, t: float, tx: int, retrans: int, resets: int,
+                       errs: int, srtt_us: int) -> None:
+        key = (job, src, dst)
+        q = self.series.get(key)
+        if q is None:
+            if len(self.series) >= MAX_PAIRS:
+                self.anomalies["link-pairs-over-bound"] += 1
+                return
+            q = self.series[key] = collections.deque(maxlen=SERIES_BUCKETS)
+        t0 = t - (t % BUCKET_S)
+        if not q or q[-1].t0 < t0:
+            q.append(Bucket(t0))
+        b = q[-1] if q[-1].t0 <= t0 else next((x for x in reversed(q) if x.t0 <= t0), q[0])
+        b.tx_bytes += tx
+        b.retrans += retrans
+        b.resets += resets
+        b.errs += errs
+        if srtt_us:
+            b.srtt_max_us = max(b.srtt_max_us, srtt_us)
+            b.srtt_sum_us += srtt_us
+            b.srtt_n += 1
+
+    # ---- questions ------------------------------------------------------------------------------
+
+    def peer_of(self, c: Conn) -> Tuple[str, Optional[int]]:
+        """("rank", r) | ("store", None) | ("external", None): who is at the far end of `c`."""
+        far = self.endpoints.get((_scope(c.node, c.daddr), c.daddr, c.dport))
+        if far is not None:
+            other = self.conns.get(far)
+            if other is not None and other.job == c.job and other.rank >= 0 and (other.node, other.pid) != (c.node, c.pid):
+                return "rank", other.rank
+        store = self.job_store.get(c.job)
+        if store is not None and store[1] in (c.dport, c.sport):
+            return "store", None
+        return "external", None
+
+    def peer_rank(self, c: Conn) -> Optional[int]:
+        kind, r = self.peer_of(c)
+        return r if kind == "rank" else None
+
+    def table(self, job: Optional[str] = None) -> List[Dict[str, object]]:
+        """Every known connection with its label, JSON-ready, sorted by (job, rank, peer)."""
+        rows = []
+        for c in self.conns.values():
+            if job is not None and c.job != job:
+                continue
+            kind, peer = self.peer_of(c)
+            rows.append({"job": c.job, "rank": c.rank, "peer": peer, "label": kind if kind != "rank" else
+                         f"rank {c.rank} -> rank {peer}", "node": c.node, "pid": c.pid,
+                         "local": f"{c.saddr}:{c.sport}", "remote": f"{c.daddr}:{c.dport}",
+                         "tx_bytes": c.tx_bytes, "rx_bytes": c.rx_bytes, "retrans": c.retrans, "resets": c.resets,
+                         "srtt_us": c.srtt_us, "cwnd": c.cwnd, "state": c.state, "closed": c.closed})
+        rows.sort(key=lambda r: (r["job"], r["rank"], r["peer"] if r["peer"] is not None else 1 << 30, r["local"]))
+        return rows
+
+    def pair_window(self, job: str, t_from: float, t_to: float) -> Dict[Tuple[int, int], PairSummary]:
+        """Per directed rank pair of `job`: what the buckets in [t_from, t_to) add up to."""
+        out: Dict[Tuple[int, int], PairSummary] = {}
+        for (j, src, dst), q in self.series.items():
+            if j != job:
+                continue
+            s = PairSummary(src, dst)
+            n_srtt = 0
+            for b in reversed(q):
+                if b.t0 < t_from - BUCKET_S:
+                    break
+                if b.t0 >= t_to:
+                    continue
+                s.tx_bytes += b.tx_bytes
+                s.retrans += b.retrans
+                s.resets += b.resets
+                s.errs += b.errs
+                s.srtt_max_us = max(s.srtt_max_us, b.srtt_max_us)
+                s.srtt_mean_us += b.srtt_sum_us
+                n_srtt += b.srtt_n
+                s.seconds += 1
+            s.srtt_mean_us = s.srtt_mean_us / n_srtt if n_srtt else 0.0
+            out[(src, dst)] = s
+        return out
+
+    def conns_between(self, job: str, a: int, b: int) -> List[Conn]:
+        """Connections of rank a whose far end is rank b, and of b whose far end is a."""
+        out = []
+        for c in self.conns.values():
+            if c.job == job and c.rank in (a, b):
+                peer = self.peer_rank(c)
+                if peer is not None and {c.rank, peer} == {a, b}:
+                    out.append(c)
+        return out
+
+    def jobs(self) -> List[str]:
+        return sorted({j for (j, _, _) in self.series} | {c.job for c in self.conns.values()})

@@ -1,0 +1,185 @@
+"""Link localisers: which rank pair's connection makes a collective crawl or hang.
+
+Two questions, both asked of a Timeline (its `links` table joins every rank's TCP connections into
+rank pairs, with per-second buckets of bytes, retransmissions, resets and RTT) at Unix time `now`:
+
+find_link_faults: a hang (a collective nobody can finish) whose cause is a link: since the hang
+  began, one rank pair's connection was reset or kept retransmitting while the others were quiet.
+  Ranks of one collective stall together (each waits for the data of the one before it), so "bytes
+  stopped moving" alone cannot tell the links apart; retransmissions and resets can.
+find_comm_slow: collectives of one op take SLOW_FACTOR x their own baseline while the ranks arrive
+  together (the time is spent inside the collective, so it is communication); the pair whose RTT or
+  retransmissions are out of line with the job's other pairs is named; when every out-of-line pair
+  starts at one rank, that rank is named instead (e.g. its NIC, or a rate limit on all its traffic).
+Thresholds are in the constants below, each with its reason; evidence carries the numbers.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional, Tuple
+
+from ccld.collector.links import PairSummary
+from ccld.collector.timeline import CollView, Comm, Timeline
+from ccld.diagnose.findings import Finding
+
+MIN_LINK_RETRANS = 2       # retransmissions since a hang began that make a link suspect (RTOs back off:
+                           # 0.2, 0.4, 0.8 s ... so a dead link shows 3-5 within the 5 s hang floor)
+STAND_OUT = 3.0            # the suspect pair has at least this many times what any other pair has
+RECENT_S = 10.0            # the window a slowdown is judged over
+MIN_RECENT = 5             # completed collectives of one op needed in that window
+MIN_BASELINE = 20          # ... and before it, to know what normal is
+SLOW_FACTOR = 3.0          # recent median duration / baseline duration that counts as slow
+MIN_EXTRA_S = 0.010        # and at least this much slower in absolute terms (sub-ms noise is not a finding)
+RTT_OUTLIER = 4.0          # a pair's mean RTT over the window / the median of the job's pairs
+MIN_RTT_US = 1000          # ... and at least 1 ms: loopback and veth RTTs of 20-60 us vary by 2-3x
+MIN_SLOW_RETRANS = 3       # retransmissions in the window that mark a lossy pair
+
+
+def _pair_evidence(s: Optional[PairSummary]) -> Optional[Dict[str, float]]:
+    return None if s is None else s.as_dict()
+
+
+def _link_suspects(tl: Timeline, job: str, t_from: float, now: float) -> Tuple[List[Tuple[int, int]], Dict]:
+    """Directed pairs with resets, or retransmissions that stand out, in [t_from, now]."""
+    win = tl.links.pair_window(job, t_from, now + 1.0)
+    if not win:
+        return [], win
+    score = {p: s.retrans + 10 * s.resets for p, s in win.items()}
+    best = max(score.values())
+    if best < MIN_LINK_RETRANS and not any(s.resets for s in win.values()):
+        return [], win
+    suspects = [p for p, v in score.items() if v >= max(MIN_LINK_RETRANS, best / STAND_OUT) or win[p].resets]
+    others = [v for p, v in score.items() if p not in suspects]
+    if others and max(others) * STAND_OUT > min(score[p] for p in suspects):
+        return [], win  # retransmissions everywhere: a congested host, not one link
+    return suspects, win
+
+
+def _name(pairs: List[Tuple[int, int]]) -> Optional[Tuple[List[int], Optional[List[int]]]]:
+    """(ranks, link) for a set of suspect directed pairs: one unordered pair -> that link; several
+    pairs sharing one rank -> that rank; None when they share none (a host-wide problem, no culprit)."""
+    unordered = {tuple(sorted(p)) for p in pairs}
+    if len(unordered) == 1:
+        a, b = next(iter(unordered))
+        src, dst = pairs[0]
+        return [a, b], [src, dst]
+    common = set(pairs[0]).intersection(*[set(p) for p in pairs[1:]])
+    if len(common) == 1:
+        return sorted(common), None
+    return None
+
+
+def find_link_faults(tl: Timeline, now: float, hangs: List[Finding]) -> List[Finding]:
+    """Hang findings refined to a link: a connection reset, or one that kept retransmitting while a
+    collective that needs it is open. Returns findings that replace the `hangs` they explain."""
+    out = []
+    for h in hangs:
+        if h.kind != "hang" or h.evidence.get("reason") in ("exited", "stopped"):
+            continue  # a dead or stopped process explains the hang by itself
+        suspects, win = _link_suspects(tl, h.job, h.onset_at - 1.0, now)
+        named = _name(suspects) if suspects else None
+        if named is None:
+            continue
+        ranks, link = named
+        evidence = {"reason": "link", "hang_reason": h.evidence.get("reason"),
+                    "waited_s": h.evidence.get("waited_s"), "threshold_s": h.evidence.get("threshold_s"),
+                    "pairs": [_pair_evidence(win[p]) for p in sorted(suspects)],
+                    "others_max_retrans": max((s.retrans for p, s in win.items() if p not in suspects), default=0),
+                    "connections": _conn_evidence(tl, h.job, ranks),
+                    "hang_ranks": h.ranks}
+        out.append(Finding(kind="hang", cls="fault", ranks=ranks, link=link, comm=h.comm, seq=h.seq, op=h.op,
+                           onset_at=h.onset_at, detected_at=now, evidence=evidence, job=h.job))
+    return out
+
+
+def _conn_evidence(tl: Timeline, job: str, ranks: List[int]) -> List[Dict[str, object]]:
+    if len(ranks) != 2:
+        return []
+    return [{"rank": c.rank, "local": f"{c.saddr}:{c.sport}", "remote": f"{c.daddr}:{c.dport}",
+             "retrans": c.retrans, "resets": c.resets, "srtt_us": c.srtt_us, "state": c.state,
+             "last_progress_at": c.progress_at} for c in tl.links.conns_between(job, ranks[0], ranks[1])]
+
+
+def _completed(comm: Comm) -> List[CollView]:
+    return [v for v in comm.colls.values() if v.completed_at is not None and v.enter]
+
+
+def _duration(v: CollView) -> float:
+    return max(0.0, v.completed_at - v.last_enter())
+
+
+def _slow_ops(comm: Comm, now: float) -> List[Tuple[str, List[CollView], float]]:
+    """(op, its recent collectives, its baseline duration) for every op of `comm` that got slow."""
+    by_op: Dict[str, Tuple[List[CollView], List[CollView]]] = {}
+    for v in _completed(comm):
+        recent, before = by_op.setdefault(v.op, ([], []))
+        (recent if v.completed_at >= now - RECENT_S else before).append(v)
+    out = []
+    for op, (recent, before) in by_op.items():
+        if len(recent) < MIN_RECENT or len(before) < MIN_BASELINE:
+            continue
+        # The baseline is the fast quartile of what came before: a slowdown that has lasted a while
+        # must not become "normal" while most of the history is still healthy.
+        durs = sorted(_duration(v) for v in before)
+        base = durs[len(durs) // 4]
+        med = statistics.median(_duration(v) for v in recent)
+        spread = statistics.median(v.last_enter() - v.first_enter() for v in recent)
+        if med >= SLOW_FACTOR * base and med - base >= MIN_EXTRA_S and spread < med:
+            out.append((op, recent, base))
+    return out
+
+
+def _rtt_suspects(win: Dict[Tuple[int, int], PairSummary]) -> List[Tuple[int, int]]:
+    active = {p: s for p, s in win.items() if s.tx_bytes > 0 and s.srtt_mean_us > 0}
+    if len(active) < 2:
+        return []
+    med = statistics.median(s.srtt_mean_us for s in active.values())
+    slow = [p for p, s in active.items() if s.srtt_mean_us >= max(RTT_OUTLIER * med, MIN_RTT_US)]
+    return slow if len(slow) < len(active) else []
+
+
+def _retrans_suspects(win: Dict[Tuple[int, int], PairSummary]) -> List[Tuple[int, int]]:
+    if not win:
+        return []
+    best = max(s.retrans for s in win.values())
+    if best < MIN_SLOW_RETRANS:
+        return []
+    sus = [p for p, s in win.items() if s.retrans * STAND_OUT >= best]
+    rest = [s.retrans for p, s in win.items() if p not in sus]
+    return sus if not rest or max(rest) * STAND_OUT <= best else []
+
+
+def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
+    """`comm-slow` findings: arrivals line up but collectives take longer than their baseline; the
+    rank pair whose transfers lag (RTT or retransmissions out of line) is named."""
+    out = []
+    for comm in list(tl.comms.values()):
+        slow = _slow_ops(comm, now)
+        if not slow:
+            continue
+        win = tl.links.pair_window(comm.job, now - RECENT_S, now + 1.0)
+        members = tl.expected_members(comm.id)
+        win = {p: s for p, s in win.items() if p[0] in members and p[1] in members}
+        by_rtt, by_loss = _rtt_suspects(win), _retrans_suspects(win)
+        suspects = by_loss or by_rtt
+        named = _name(sorted(suspects)) if suspects else None
+        ranks, link = named if named is not None else ([], None)
+        op, recent, base = max(slow, key=lambda s: statistics.median(_duration(v) for v in s[1]) / max(s[2], 1e-9))
+        med = statistics.median(_duration(v) for v in recent)
+        first = min(recent, key=lambda v: v.seq)
+        active = [s.srtt_mean_us for s in win.values() if s.tx_bytes > 0 and s.srtt_mean_us > 0]
+        evidence = {
+            "op": op, "recent_median_s": round(med, 6), "baseline_s": round(base, 6),
+            "slowdown": round(med / base, 2) if base > 0 else None, "recent_collectives": len(recent),
+            "arrival_spread_median_s": round(statistics.median(v.last_enter() - v.first_enter() for v in recent), 6),
+            "first_slow_seq": first.seq, "window_s": RECENT_S,
+            "localised_by": "retransmissions" if by_loss else "rtt" if by_rtt else None,
+            "pairs": [win[p].as_dict() for p in sorted(suspects)],
+            "job_median_rtt_us": round(statistics.median(active), 1) if active else None,
+            "note": None if named else ("no link stands out: no link metrics for this job, or all pairs alike"
+                                        if not suspects else "several links out of line with no rank in common"),
+        }
+        # seq -1: a slowdown spans many collectives; the finding's identity must not move with the window.
+        out.append(Finding(kind="slow", cls="comm-slow", ranks=ranks, link=link, comm=comm.id, seq=-1, op=op,
+                           onset_at=first.last_enter(), detected_at=now, evidence=evidence, job=comm.job))
+    return out

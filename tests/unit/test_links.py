@@ -1,0 +1,185 @@
+"""The link table (collector) and the link localisers (diagnose), on synthetic jobs sent as real frames."""
+import pytest
+
+from ccld import events as ev
+from ccld.collector import links as lk
+from ccld.collector.timeline import Timeline
+from ccld.diagnose import hang
+from ccld.diagnose import links as dl
+from ccld_synth import T0, SynthJob, SynthLinks, rank_ip, rank_port
+
+
+def job_with_links(world=4, nodes=2):
+    tl, job = Timeline(), SynthJob(world=world, nodes=nodes)
+    job.announce(T0)
+    job.feed(tl, T0)
+    return tl, job, SynthLinks(job)
+
+
+def link_event(pid, rank, saddr, sport, daddr, dport, ts_ns, **kw):
+    return ev.LinkStats(pid=pid, rank=rank, ts_ns=ts_ns, saddr=saddr, sport=sport, daddr=daddr, dport=dport, **kw)
+
+
+def test_every_connection_is_labelled_with_its_rank_pair():
+    tl, job, links = job_with_links()
+    links.ring(T0 + 1)
+    job.feed(tl, T0 + 1.1)
+    rows = tl.links.table("job")
+    assert len(rows) == 8  # 4 ring connections, both ends
+    got = {(r["rank"], r["peer"]) for r in rows}
+    assert got == {(0, 1), (1, 2), (2, 3), (3, 0), (1, 0), (2, 1), (3, 2), (0, 3)}
+    row = next(r for r in rows if (r["rank"], r["peer"]) == (2, 3))
+    assert row["local"] == f"{rank_ip(2)}:{rank_port(2, 3)}" and row["tx_bytes"] == 16384
+    assert row["label"] == "rank 2 -> rank 3"
+
+
+def test_store_and_outside_connections_are_labelled_as_such():
+    tl, job, _ = job_with_links()
+    tl.links.note_job("job", "10.9.0.1", 29500)
+    a = job.agent_of[1]
+    t = T0 + 1
+    a.pending += [link_event(job.pid[1], 1, rank_ip(1), 41000, rank_ip(0), 29500, a.mono(t), tx_bytes=10),
+                  link_event(job.pid[1], 1, rank_ip(1), 41001, "93.184.216.34", 443, a.mono(t), tx_bytes=10)]
+    job.feed(tl, t)
+    labels = {r["remote"]: r["label"] for r in tl.links.table()}
+    assert labels == {"10.9.0.1:29500": "store", "93.184.216.34:443": "external"}
+
+
+def test_loopback_endpoints_do_not_join_across_nodes():
+    tl, job, _ = job_with_links(world=2, nodes=2)
+    t = T0 + 1
+    # Rank 0 (node0) and rank 1 (node1) each talk to 127.0.0.1 with mirrored ports: on different nodes
+    # these are different connections, and must not be taken for the two ends of one.
+    a0, a1 = job.agent_of[0], job.agent_of[1]
+    a0.pending.append(link_event(job.pid[0], 0, "127.0.0.1", 5000, "127.0.0.1", 6000, a0.mono(t), tx_bytes=1))
+    a1.pending.append(link_event(job.pid[1], 1, "127.0.0.1", 6000, "127.0.0.1", 5000, a1.mono(t), tx_bytes=1))
+    job.feed(tl, t)
+    assert {r["label"] for r in tl.links.table()} == {"external"}
+
+
+def test_series_adds_deltas_per_second_and_survives_an_agent_restart():
+    tl, job, links = job_with_links()
+    for i in range(5):
+        links.send(1, 2, T0 + 1 + i * 0.25, 1000, retrans=1 if i == 3 else 0)
+    job.feed(tl, T0 + 3)
+    win = tl.links.pair_window("job", T0, T0 + 10)
+    assert win[(1, 2)].tx_bytes == 5000 and win[(1, 2)].retrans == 1
+    assert (2, 1) not in win or win[(2, 1)].tx_bytes == 0  # rank 2 only received
+    # The agent restarts: its counters begin again from zero. Nothing negative is added.
+    links.c[(1, 2)].update(tx_bytes=0, retrans=0)
+    links.send(1, 2, T0 + 4, 700)
+    job.feed(tl, T0 + 4.1)
+    assert tl.anomalies["link-counter-reset"] == 1
+    assert tl.links.pair_window("job", T0, T0 + 10)[(1, 2)].tx_bytes == 5700
+
+
+def test_series_is_bounded():
+    tl, job, links = job_with_links()
+    for i in range(lk.SERIES_BUCKETS + 50):
+        links.send(0, 1, T0 + 1 + i, 10)
+        if i % 100 == 0:
+            job.feed(tl, T0 + 1 + i)
+    job.feed(tl, T0 + lk.SERIES_BUCKETS + 60)
+    assert len(tl.links.series[("job", 0, 1)]) == lk.SERIES_BUCKETS
+
+
+def hung_job(retrans=None, seconds=8.0):
+    """60 healthy collectives, then seq 61 that every rank entered and nobody finishes, with ring
+    traffic each second and `retrans` {(src, dst): n per second} while it hangs."""
+    tl, job, links = job_with_links()
+    end = job.steps(1, 60, T0 + 1, period=0.05)
+    job.collective(61, end + 0.01, finish=False)
+    for i in range(int(seconds)):
+        links.ring(end + 0.5 + i, nbytes=0 if i else 16384, retrans=retrans)
+    now = end + seconds
+    job.feed(tl, now)
+    return tl, now
+
+
+def test_a_hang_with_one_link_retransmitting_is_a_fault_of_that_link():
+    tl, now = hung_job(retrans={(1, 2): 1})
+    hangs = hang.find_hangs(tl, now)
+    assert [h.evidence["reason"] for h in hangs] == ["not-finished"]  # every rank waits: no culprit
+    got = dl.find_link_faults(tl, now, hangs)
+    assert len(got) == 1
+    f = got[0]
+    assert (f.kind, f.cls, f.ranks, f.link) == ("hang", "fault", [1, 2], [1, 2])
+    assert f.evidence["pairs"][0]["retrans"] >= dl.MIN_LINK_RETRANS and f.evidence["others_max_retrans"] == 0
+    assert f.seq == hangs[0].seq and f.evidence["hang_reason"] == "not-finished"
+
+
+def test_retransmissions_everywhere_name_no_link():
+    tl, now = hung_job(retrans={(r, (r + 1) % 4): 1 for r in range(4)})
+    hangs = hang.find_hangs(tl, now)
+    assert len(hangs) == 1 and dl.find_link_faults(tl, now, hangs) == []
+
+
+def test_a_quiet_hang_names_no_link():
+    tl, now = hung_job(retrans=None)
+    hangs = hang.find_hangs(tl, now)
+    assert len(hangs) == 1 and dl.find_link_faults(tl, now, hangs) == []
+
+
+def slow_job(srtt=None, retrans=None, late=None, slow_dur=0.060, healthy_s=30.0, slow_s=12.0, extra=()):
+    """A job with one all-reduce every 0.1 s (3 ms each) for healthy_s, then slow_dur each for
+    slow_s; ring traffic with per-pair RTT (us) and retransmissions per collective in the slow part."""
+    tl, job, links = job_with_links()
+    t, seq = T0 + 1, 1
+    while t < T0 + 1 + healthy_s:
+        job.collective(seq, t, dur=0.003)
+        links.ring(t + 0.003)
+        for a, b in extra:
+            links.send(a, b, t + 0.003, 4096)
+        seq, t = seq + 1, t + 0.1
+        if seq % 20 == 0:
+            job.feed(tl, t)
+    stop = t + slow_s
+    while t < stop:
+        job.collective(seq, t, dur=slow_dur, late=late)
+        links.ring(t + slow_dur, srtt=srtt, retrans=retrans)
+        for a, b in extra:
+            links.send(a, b, t + slow_dur, 4096, srtt_us=(srtt or {}).get((a, b), 50))
+        seq, t = seq + 1, t + 0.1 + slow_dur
+        if seq % 5 == 0:
+            job.feed(tl, t)
+    job.feed(tl, t)
+    return tl, t
+
+
+def test_a_crawling_link_is_named_by_its_rtt():
+    tl, now = slow_job(srtt={(2, 3): 25_000})
+    got = dl.find_comm_slow(tl, now)
+    assert len(got) == 1
+    f = got[0]
+    assert (f.kind, f.cls, f.ranks, f.link, f.seq) == ("slow", "comm-slow", [2, 3], [2, 3], -1)
+    assert f.evidence["localised_by"] == "rtt" and f.evidence["slowdown"] >= dl.SLOW_FACTOR
+    assert f.evidence["pairs"][0]["srtt_mean_us"] == pytest.approx(25_000)
+    assert f.evidence["job_median_rtt_us"] == pytest.approx(50)
+
+
+def test_a_lossy_link_is_named_by_its_retransmissions():
+    tl, now = slow_job(retrans={(0, 1): 2})
+    (f,) = dl.find_comm_slow(tl, now)
+    assert (f.ranks, f.link, f.evidence["localised_by"]) == ([0, 1], [0, 1], "retransmissions")
+
+
+def test_every_link_of_one_rank_slow_names_that_rank():
+    # Rank 1 sends to 2 (ring) and to 0 (extra); both of its links crawl, nobody else's do.
+    tl, now = slow_job(srtt={(1, 2): 30_000, (1, 0): 30_000}, extra=[(1, 0)])
+    (f,) = dl.find_comm_slow(tl, now)
+    assert (f.ranks, f.link) == ([1], None)
+    assert sorted((p["src"], p["dst"]) for p in f.evidence["pairs"]) == [(1, 0), (1, 2)]
+
+
+def test_healthy_and_late_arrival_jobs_are_not_comm_slow():
+    tl, now = slow_job(slow_dur=0.003)
+    assert dl.find_comm_slow(tl, now) == []
+    # Slow because one rank arrives late (compute), not because the collective itself is slow.
+    tl, now = slow_job(slow_dur=0.003, late={3: 0.080})
+    assert dl.find_comm_slow(tl, now) == []
+
+
+def test_a_slowdown_without_link_data_says_so():
+    tl, now = slow_job(srtt={(r, (r + 1) % 4): 50 for r in range(4)})
+    (f,) = dl.find_comm_slow(tl, now)
+    assert f.ranks == [] and f.link is None and "no link stands out" in f.evidence["note"]
