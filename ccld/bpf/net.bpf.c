@@ -15,7 +15,9 @@
  * record per connection per interval, never one per packet. Addresses and ports are read from the
  * socket at offsets the loader takes from the running kernel's BTF (-DSKC_*_OFF), never from headers.
  * Counters are updated with atomic adds: a socket is touched from several CPUs at once. An entry in
- * state CLOSE is frozen until the agent's next drain ships and deletes it (its pointer may be reused).
+ * state CLOSE takes no more TCP events until the agent's next drain ships and deletes it (its memory
+ * may be reused by a new socket meanwhile, whose first sends, at most one drain's worth, then count
+ * towards the closed connection).
  * Minimum kernel: 5.8 (sock_send_length needs 6.1; tcp_probe's skaddr 5.x).
  */
 #include <uapi/linux/ptrace.h>
@@ -123,12 +125,12 @@ static __always_inline int on_length(const void *sk, u16 family, u16 protocol, i
         return 0;
     u64 key = (u64)sk;
     struct conn *c = conns.lookup(&key);
-    if (!c || c->state == CCLD_TCP_CLOSE) {
-        /* New, or the memory of a closed socket reused for a new one before the agent's drain (the
-         * old connection's last interval is lost then; counting it into the new one would be worse). */
+    if (!c) {
         struct conn fresh = {};
         fresh.tgid = tgid;
         read_tuple(&fresh, sk);
+        if (fresh.state == CCLD_TCP_CLOSE)
+            return 0;  /* a socket already closed (e.g. a recv after a reset): not a connection to track */
         conns.update(&key, &fresh);
         c = conns.lookup(&key);
         if (!c)
