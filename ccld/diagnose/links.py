@@ -25,8 +25,13 @@ from ccld.diagnose.findings import Finding
 MIN_LINK_RETRANS = 2       # retransmissions since a hang began that make a link suspect (RTOs back off:
                            # 0.2, 0.4, 0.8 s ... so a dead link shows 3-5 within the 5 s hang floor)
 STAND_OUT = 3.0            # the suspect pair has at least this many times what any other pair has
-RECENT_S = 10.0            # the window a slowdown is judged over
+RECENT_S = 10.0            # the window a slowdown is judged over ...
+RECENT_N = 10              # ... or its last RECENT_N collectives, if fewer: a 30x slower job completes a
+                           # handful in 10 s, and a median over mostly pre-fault ones would hide it
 MIN_RECENT = 5             # completed collectives of one op needed in that window
+BULK_SHARE = 0.1           # pairs carrying at least this share of the busiest pair's bytes are judged
+                           # on RTT; a pair that only sends a few control bytes sees the receiver's
+                           # delayed ACKs (up to 40 ms) in its RTT, which says nothing about the link
 MIN_BASELINE = 20          # ... and before it, to know what normal is
 SLOW_FACTOR = 3.0          # recent median duration / baseline duration that counts as slow
 MIN_EXTRA_S = 0.010        # and at least this much slower in absolute terms (sub-ms noise is not a finding)
@@ -116,6 +121,10 @@ def _slow_ops(comm: Comm, now: float) -> List[Tuple[str, List[CollView], float]]
         (recent if v.completed_at >= now - RECENT_S else before).append(v)
     out = []
     for op, (recent, before) in by_op.items():
+        recent.sort(key=lambda v: v.completed_at)
+        if len(recent) > RECENT_N:
+            before = before + recent[:-RECENT_N]
+            recent = recent[-RECENT_N:]
         if len(recent) < MIN_RECENT or len(before) < MIN_BASELINE:
             continue
         # The baseline is the fast quartile of what came before: a slowdown that has lasted a while
@@ -130,7 +139,8 @@ def _slow_ops(comm: Comm, now: float) -> List[Tuple[str, List[CollView], float]]
 
 
 def _rtt_suspects(win: Dict[Tuple[int, int], PairSummary]) -> List[Tuple[int, int]]:
-    active = {p: s for p, s in win.items() if s.tx_bytes > 0 and s.srtt_mean_us > 0}
+    most = max((s.tx_bytes for s in win.values()), default=0)
+    active = {p: s for p, s in win.items() if s.tx_bytes >= BULK_SHARE * most > 0 and s.srtt_mean_us > 0}
     if len(active) < 2:
         return []
     med = statistics.median(s.srtt_mean_us for s in active.values())
@@ -157,14 +167,23 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         slow = _slow_ops(comm, now)
         if not slow:
             continue
-        win = tl.links.pair_window(comm.job, now - RECENT_S, now + 1.0)
+        op, recent, base = max(slow, key=lambda s: statistics.median(_duration(v) for v in s[1]) / max(s[2], 1e-9))
+        # Links are judged over the same span as the slow collectives, not over a fixed window that
+        # would mix in the healthy seconds before the slowdown.
+        since = min(v.first_enter() for v in recent)
+        win = tl.links.pair_window(comm.job, since, now + 1.0)
         members = tl.expected_members(comm.id)
         win = {p: s for p, s in win.items() if p[0] in members and p[1] in members}
         by_rtt, by_loss = _rtt_suspects(win), _retrans_suspects(win)
-        suspects = by_loss or by_rtt
-        named = _name(sorted(suspects)) if suspects else None
+        suspects, named = [], None
+        for how, cand in (("retransmissions", by_loss), ("rtt", by_rtt)):
+            got = _name(sorted(cand)) if cand else None
+            if got is not None:
+                suspects, named, localised_by = cand, got, how
+                break
+        else:
+            suspects, localised_by = by_loss or by_rtt, None
         ranks, link = named if named is not None else ([], None)
-        op, recent, base = max(slow, key=lambda s: statistics.median(_duration(v) for v in s[1]) / max(s[2], 1e-9))
         med = statistics.median(_duration(v) for v in recent)
         first = min(recent, key=lambda v: v.seq)
         active = [s.srtt_mean_us for s in win.values() if s.tx_bytes > 0 and s.srtt_mean_us > 0]
@@ -172,8 +191,8 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
             "op": op, "recent_median_s": round(med, 6), "baseline_s": round(base, 6),
             "slowdown": round(med / base, 2) if base > 0 else None, "recent_collectives": len(recent),
             "arrival_spread_median_s": round(statistics.median(v.last_enter() - v.first_enter() for v in recent), 6),
-            "first_slow_seq": first.seq, "window_s": RECENT_S,
-            "localised_by": "retransmissions" if by_loss else "rtt" if by_rtt else None,
+            "first_slow_seq": first.seq, "links_since": round(since, 6),
+            "localised_by": localised_by,
             "pairs": [win[p].as_dict() for p in sorted(suspects)],
             "job_median_rtt_us": round(statistics.median(active), 1) if active else None,
             "note": None if named else ("no link stands out: no link metrics for this job, or all pairs alike"
