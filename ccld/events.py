@@ -29,7 +29,7 @@ import msgpack
 from ccld.errors import CcldError
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1  # 1.1 added link, sched, qp and nic
+SCHEMA_MINOR = 2  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI)
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # agents send <= 2,048 events (~300 KiB) a frame; 4 MiB bounds a hostile one
 # 32x the shipper's MAX_BATCH. Checked by the MessagePack reader before it allocates anything: a
 # 16 MiB frame of 16M one-byte junk events once took 7 GiB and 80 s to reject.
@@ -275,6 +275,7 @@ class QpInfo(Event):
     dlid: int = -1
     port: int = -1
     call: str = ""
+    device: str = ""   # the NIC (e.g. mlx5_0): ties the QP to that port's NicCounters
 
 
 @dataclass(frozen=True)
@@ -288,11 +289,69 @@ class NicCounters(Event):
     counters: Dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class GpuKernel(Event):
+    """A kernel ran on a rank's GPU (CUPTI activity, captured in the rank by ccld's shim).
+    `ts_ns`/`end_ns`: GPU start and end; `launch_ns`: when the host thread `launch_tid` (a kernel
+    thread id, like CollEnter.tid) called the launch; all this node's CLOCK_MONOTONIC, converted by the
+    shim (ccld/cupti/clock.py). `launch_tid` 0: its launch record was not seen. `corr` is CUPTI's
+    correlation id. op/redop/dtype/algo/proto are read from an NCCL kernel's name ("" if it does not say)."""
+    KIND: ClassVar[str] = "gpu_kernel"
+    pid: int
+    rank: int
+    ts_ns: int
+    end_ns: int
+    device: int
+    stream: int
+    corr: int
+    name: str
+    launch_tid: int = 0
+    launch_ns: int = 0
+    nccl: bool = False
+    op: str = ""
+    redop: str = ""
+    dtype: str = ""
+    algo: str = ""
+    proto: str = ""
+
+
+@dataclass(frozen=True)
+class GpuMemop(Event):
+    """A memcpy or memset ran on a rank's GPU (`op`); times and launch as in GpuKernel. `copy_kind` is
+    CUPTI's CUpti_ActivityMemcpyKind (8 = device to device), 0 for memsets."""
+    KIND: ClassVar[str] = "gpu_memop"
+    pid: int
+    rank: int
+    ts_ns: int
+    end_ns: int
+    device: int
+    stream: int
+    corr: int
+    op: str
+    nbytes: int = 0
+    copy_kind: int = 0
+    launch_tid: int = 0
+    launch_ns: int = 0
+
+
+@dataclass(frozen=True)
+class GpuLoss(Event):
+    """Cumulative counters of one rank's CUPTI shim: records CUPTI dropped (cupti_dropped), dropped
+    from its queue (queue_dropped) or on the way to the agent (records_dropped_send), kernels left out by
+    the NCCL filter (kernels_filtered), activities without a launch record (no_launch), and so on."""
+    KIND: ClassVar[str] = "gpu_loss"
+    pid: int
+    rank: int
+    ts_ns: int
+    counters: Dict[str, int] = field(default_factory=dict)
+
+
 EVENT_TYPES: Dict[str, Type[Event]] = {
     cls.KIND: cls
     for cls in (AgentHello, ClockSample, RankInfo, RankExit, RankState, CommInit,
                 CollEnter, WorkStart, WorkEnd, P2P, ProbeStatus, LossCounters,
-                LinkStats, SchedStats, QpInfo, NicCounters)
+                LinkStats, SchedStats, QpInfo, NicCounters,
+                GpuKernel, GpuMemop, GpuLoss)
 }
 
 _FIELDS: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {}

@@ -9,7 +9,10 @@ say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
 if [[ "${CCLD_SKIP_APT:-0}" != 1 ]]; then
   # chromium: the e2e test that opens `ccld report`'s page headless
-  pkgs=(python3-bpfcc linux-headers-amd64 bpftool iproute2 iptables procps python3-venv chromium)
+  # libibverbs1: the RDMA probe test drives the real library (no device needed); libibverbs-dev: its
+  # <infiniband/verbs.h>, against which a unit test checks the struct offsets rdma.bpf.c reads
+  pkgs=(python3-bpfcc linux-headers-amd64 bpftool iproute2 iptables procps python3-venv chromium
+        libibverbs1 libibverbs-dev)
   missing=()
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   if ((${#missing[@]})); then

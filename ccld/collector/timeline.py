@@ -21,6 +21,7 @@ from typing import Any, Deque, Dict, Optional, Set, Tuple
 from ccld import events as ev
 from ccld.collector.clock import ClockTable
 from ccld.collector.links import LinkTable
+from ccld.collector.rdma import RdmaTable
 
 MAX_COLLS_PER_COMM = 4096     # hang detection looks at the newest; 4096 covers minutes of a fast job
 MAX_COMMS = 10_000            # process groups per collector; real jobs have a handful per job
@@ -76,6 +77,7 @@ class CollView:
     end: Dict[int, float] = field(default_factory=dict)
     ops: Dict[int, str] = field(default_factory=dict)       # global rank -> op it called
     failed: Dict[int, str] = field(default_factory=dict)    # global rank -> library error
+    sizes: Dict[int, Tuple[int, str]] = field(default_factory=dict)  # rank -> (count, dtype) where probes know them
     completed_at: Optional[float] = None
 
     def first_enter(self) -> Optional[float]:
@@ -121,6 +123,7 @@ class Timeline:
         self.events_by_kind: collections.Counter = collections.Counter()
         self.anomalies: collections.Counter = collections.Counter()
         self.links = LinkTable(self.anomalies)
+        self.rdma = RdmaTable(self.anomalies)
         # Exact per-(global rank, op) counts, for tests and sanity checks (all jobs together).
         self.enter_counts: collections.Counter = collections.Counter()
         self.end_counts: collections.Counter = collections.Counter()
@@ -189,6 +192,9 @@ class Timeline:
             self.links.update(node, rec.job if rec else "", e, t, lambda ns: self.clock.to_unix(agent, ns))
         elif isinstance(e, ev.SchedStats):
             self._sched(node, e, t)
+        elif isinstance(e, (ev.QpInfo, ev.NicCounters)):
+            rec = self.ranks.get((node, e.pid)) if isinstance(e, ev.QpInfo) else None
+            self.rdma.update(node, rec.job if rec else "", e, t)
         elif isinstance(e, _RANK_EVENTS):
             self._rank_event(agent, node, e, t)
         else:
@@ -326,6 +332,8 @@ class Timeline:
             view.op = e.op
         view.enter[rank] = t
         view.ops[rank] = e.op
+        if e.count >= 0 or e.dtype:  # NCCL probes report them; gloo's do not (count -1)
+            view.sizes[rank] = (e.count, e.dtype)
         self.enter_counts[(rank, e.op)] += 1
         last = comm.last_entered.get(rank)
         if last is None or e.seq >= last[0]:

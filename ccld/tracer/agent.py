@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 from ccld import __version__
 from ccld import events as ev
 from ccld.errors import CcldError, EnvironmentProblem
-from ccld.tracer import discover, procstate
+from ccld.tracer import discover, ibcounters, procstate
 from ccld.tracer.shipper import Shipper
 
 log = logging.getLogger("ccld.agent")
@@ -33,6 +33,8 @@ STABLE_S = 30.0               # /proc less often (a full scan reads every /proc/
 PROC_INTERVAL_S = 1.0     # /proc state of each rank, shipped as liveness and "what it is doing"
 ANNOUNCE_S = 10.0         # re-send hello and ranks so a restarted collector relearns the job
 NEG_CACHE_LIMIT = 65536   # remembered non-rank processes (by pid+cmdline) in --discover mode
+NIC_INTERVAL_S = 5.0      # RDMA port counters (sysfs, cumulative): a slow or erroring link shows within
+                          # seconds, and ~50 file reads per port every 5 s cost nothing measurable
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Rank:
     last_state_at: float = 0.0
 
 
-FAMILY_NAMES = ("gloo", "nccl", "net", "sched")  # every probe family this build has, in load order
+FAMILY_NAMES = ("gloo", "nccl", "net", "sched", "rdma")  # every probe family this build has, in load order
 
 
 def _families(emit: Callable[[ev.Event], None], names: Sequence[str] = FAMILY_NAMES):
@@ -53,8 +55,10 @@ def _families(emit: Callable[[ev.Event], None], names: Sequence[str] = FAMILY_NA
     from ccld.bpf.nccl import NcclFamily, NcclTranslator
     from ccld.bpf.net import NetFamily, NetTranslator
     from ccld.bpf.sched import SchedFamily, SchedTranslator
+    from ccld.bpf.rdma import RdmaFamily, RdmaTranslator
     builders = {"gloo": (GlooFamily, GlooTranslator), "nccl": (NcclFamily, NcclTranslator),
-                "net": (NetFamily, NetTranslator), "sched": (SchedFamily, SchedTranslator)}
+                "net": (NetFamily, NetTranslator), "sched": (SchedFamily, SchedTranslator),
+                "rdma": (RdmaFamily, RdmaTranslator)}
     out = []
     for name in FAMILY_NAMES:
         if name in names:
@@ -97,6 +101,7 @@ class Agent:
         self._last_change = time.monotonic()  # when a rank last appeared, left or got its probes
         self._thread: Optional[threading.Thread] = None
         self.shipper = Shipper(endpoint, self.agent_id, self.node, extra_loss=self._loss, keys=keys)
+        self.nic = ibcounters.CounterReader()  # RDMA NIC port counters, sampled when the node has any
 
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -131,6 +136,8 @@ class Agent:
         if not self.families and self.use_bpf and self.bpf_problem is None:
             self.load()
         self.shipper.start()
+        if self.nic.present():
+            self.sources.append("ib-counters")
         self._announce()
         self._thread = threading.Thread(target=self._loop, name="ccld-agent", daemon=True)
         self._thread.start()
@@ -157,7 +164,7 @@ class Agent:
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        next_scan = next_announce = 0.0
+        next_scan = next_announce = next_nic = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_scan:
@@ -171,6 +178,12 @@ class Agent:
                 if next_announce:
                     self._announce()
                 next_announce = now + ANNOUNCE_S
+            if now >= next_nic:
+                next_nic = now + NIC_INTERVAL_S
+                try:
+                    self._sample_nic()
+                except Exception:  # a bug in the counter reader must not end tracing
+                    log.exception("NIC counter sample failed")
             if self.families:
                 share = max(1, POLL_MS // len(self.families))
                 for fam, _ in self.families:
@@ -274,8 +287,18 @@ class Agent:
         for r in list(self.ranks.values()):
             self.shipper.put(self._rank_info(r))
 
+    def _sample_nic(self) -> None:
+        if not self.nic.present():
+            return
+        for e in self.nic.sample():
+            self.shipper.put(e)
+        for msg in self.nic.take_messages():  # each failing file is named once, then only counted
+            log.warning("ib counters: %s", msg)
+
     def _loss(self) -> Dict[str, int]:
         out: Dict[str, int] = {}
+        for reason, n in list(self.nic.errors.items()):
+            out[f"nic_counter_{reason}"] = n
         for fam, tr in self.families:
             try:
                 out[f"{fam.NAME}_ringbuf_lost"] = fam.lost()

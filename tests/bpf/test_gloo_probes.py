@@ -341,10 +341,11 @@ def test_agent_ebpf_prints_programs():
     assert res.returncode == 0, f"rc {res.returncode}\n{res.stderr[-3000:]}"
     parts = re.split(r"^(?=// cflags: )", res.stdout, flags=re.M)
     programs = [p for p in parts if p.strip()]
-    assert len(programs) == 2, f"expected 2 programs, got {len(programs)}:\n{res.stdout[:2000]}"
-    for text, name, header in zip(programs, ("gloo.bpf.c", "nccl.bpf.c"),
-                                  ("/* gloo.bpf.c: collectives of PyTorch's gloo backend",
-                                   "/* nccl.bpf.c: the host-side API of NCCL")):
+    from ccld.tracer.agent import FAMILY_NAMES
+    names = [f"{fam}.bpf.c" for fam in FAMILY_NAMES]
+    assert len(programs) == len(names), f"expected {len(names)} programs, got {len(programs)}:\n{res.stdout[:2000]}"
+    for text, name in zip(programs, names):
+        header = f"/* {name}: "
         cflags, _, body = text.partition("\n")
         assert f"-I{bpf_dir}" in cflags.split(), f"{name}: cflags line {cflags!r}"
         assert body.startswith(header), f"{name}: program starts {body[:200]!r}"
