@@ -7,7 +7,8 @@ find_link_faults: a hang (a collective nobody can finish) whose cause is a link:
   began, one rank pair's connection was reset or kept retransmitting while the others were quiet.
   Ranks of one collective stall together (each waits for the data of the one before it), so "bytes
   stopped moving" alone cannot tell the links apart; retransmissions and resets can.
-find_comm_slow: collectives of one op take SLOW_FACTOR x their own baseline while the ranks arrive
+find_comm_slow: collectives of one op take SLOW_FACTOR x their own baseline (all of them, or enough of
+  them to weigh on the mean and 90th percentile: a lossy link's retransmission timeouts) while the ranks arrive
   together (the time is spent inside the collective, so it is communication); the pair whose RTT or
   retransmissions are out of line with the job's other pairs is named; when every out-of-line pair
   starts at one rank, that rank is named instead (e.g. its NIC, or a rate limit on all its traffic).
@@ -24,11 +25,15 @@ from ccld.diagnose.findings import Finding
 
 MIN_LINK_RETRANS = 2       # retransmissions since a hang began that make a link suspect (RTOs back off:
                            # 0.2, 0.4, 0.8 s ... so a dead link shows 3-5 within the 5 s hang floor)
+HANG_SETTLE_S = 1.0        # retransmissions are counted from this long after a hang began: data in flight
+                           # when it began is acked (or lost) by then, and on a busy 2-core box every link
+                           # retransmits now and then; after it, only a link that lost its peer keeps trying
 STAND_OUT = 3.0            # the suspect pair has at least this many times what any other pair has
 RECENT_S = 10.0            # the window a slowdown is judged over ...
 RECENT_N = 10              # ... or its last RECENT_N collectives, if fewer: a 30x slower job completes a
                            # handful in 10 s, and a median over mostly pre-fault ones would hide it
 MIN_RECENT = 5             # completed collectives of one op needed in that window
+MIN_TAIL = 20              # ... and for judging its tail (mean and 90th percentile over RECENT_S)
 BULK_SHARE = 0.1           # pairs carrying at least this share of the busiest pair's bytes are judged
                            # on RTT; a pair that only sends a few control bytes sees the receiver's
                            # delayed ACKs (up to 40 ms) in its RTT, which says nothing about the link
@@ -81,7 +86,7 @@ def find_link_faults(tl: Timeline, now: float, hangs: List[Finding]) -> List[Fin
     for h in hangs:
         if h.kind != "hang" or h.evidence.get("reason") in ("exited", "stopped"):
             continue  # a dead or stopped process explains the hang by itself
-        suspects, win = _link_suspects(tl, h.job, h.onset_at - 1.0, now)
+        suspects, win = _link_suspects(tl, h.job, h.onset_at + HANG_SETTLE_S, now)
         named = _name(suspects) if suspects else None
         if named is None:
             continue
@@ -113,28 +118,39 @@ def _duration(v: CollView) -> float:
     return max(0.0, v.completed_at - v.last_enter())
 
 
-def _slow_ops(comm: Comm, now: float) -> List[Tuple[str, List[CollView], float]]:
-    """(op, its recent collectives, its baseline duration) for every op of `comm` that got slow."""
-    by_op: Dict[str, Tuple[List[CollView], List[CollView]]] = {}
+def _slow_ops(comm: Comm, now: float) -> List[Tuple[str, List[CollView], float, str, float]]:
+    """(op, its recent collectives, its baseline duration) for every op of `comm` that got slow.
+
+    Two shapes of slow: a crawl (every collective slower: the median of the last RECENT_N is
+    SLOW_FACTOR x the baseline), and a heavy tail (most collectives fine, but enough of them stall
+    on retransmission timeouts that the mean and the 90th percentile over RECENT_S are)."""
+    by_op: Dict[str, List[CollView]] = {}
     for v in _completed(comm):
-        recent, before = by_op.setdefault(v.op, ([], []))
-        (recent if v.completed_at >= now - RECENT_S else before).append(v)
+        by_op.setdefault(v.op, []).append(v)
     out = []
-    for op, (recent, before) in by_op.items():
-        recent.sort(key=lambda v: v.completed_at)
-        if len(recent) > RECENT_N:
-            before = before + recent[:-RECENT_N]
-            recent = recent[-RECENT_N:]
-        if len(recent) < MIN_RECENT or len(before) < MIN_BASELINE:
+    for op, views in by_op.items():
+        views.sort(key=lambda v: v.completed_at)
+        window = [v for v in views if v.completed_at >= now - RECENT_S]
+        last = views[-RECENT_N:]
+        before = views[:len(views) - max(len(window), len(last))]
+        if len(last) < MIN_RECENT or len(before) < MIN_BASELINE:
             continue
         # The baseline is the fast quartile of what came before: a slowdown that has lasted a while
         # must not become "normal" while most of the history is still healthy.
         durs = sorted(_duration(v) for v in before)
         base = durs[len(durs) // 4]
-        med = statistics.median(_duration(v) for v in recent)
-        spread = statistics.median(v.last_enter() - v.first_enter() for v in recent)
-        if med >= SLOW_FACTOR * base and med - base >= MIN_EXTRA_S and spread < med:
-            out.append((op, recent, base))
+        for recent, stat in ((last, "median"), (window, "tail")):
+            if stat == "median":
+                level = statistics.median(_duration(v) for v in recent)
+            elif len(recent) >= MIN_TAIL:
+                d = sorted(_duration(v) for v in recent)
+                level = min(statistics.mean(d), d[int(len(d) * 0.9)])
+            else:
+                continue
+            spread = statistics.median(v.last_enter() - v.first_enter() for v in recent)
+            if level >= SLOW_FACTOR * base and level - base >= MIN_EXTRA_S and spread < level:
+                out.append((op, recent, base, stat, level))
+                break
     return out
 
 
@@ -167,7 +183,7 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         slow = _slow_ops(comm, now)
         if not slow:
             continue
-        op, recent, base = max(slow, key=lambda s: statistics.median(_duration(v) for v in s[1]) / max(s[2], 1e-9))
+        op, recent, base, stat, level = max(slow, key=lambda s: s[4] / max(s[2], 1e-9))
         # Links are judged over the same span as the slow collectives, not over a fixed window that
         # would mix in the healthy seconds before the slowdown.
         since = min(v.first_enter() for v in recent)
@@ -184,12 +200,11 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         else:
             suspects, localised_by = by_loss or by_rtt, None
         ranks, link = named if named is not None else ([], None)
-        med = statistics.median(_duration(v) for v in recent)
         first = min(recent, key=lambda v: v.seq)
         active = [s.srtt_mean_us for s in win.values() if s.tx_bytes > 0 and s.srtt_mean_us > 0]
         evidence = {
-            "op": op, "recent_median_s": round(med, 6), "baseline_s": round(base, 6),
-            "slowdown": round(med / base, 2) if base > 0 else None, "recent_collectives": len(recent),
+            "op": op, "judged_by": stat, "recent_s": round(level, 6), "baseline_s": round(base, 6),
+            "slowdown": round(level / base, 2) if base > 0 else None, "recent_collectives": len(recent),
             "arrival_spread_median_s": round(statistics.median(v.last_enter() - v.first_enter() for v in recent), 6),
             "first_slow_seq": first.seq, "links_since": round(since, 6),
             "localised_by": localised_by,

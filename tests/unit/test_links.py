@@ -120,7 +120,8 @@ def test_a_quiet_hang_names_no_link():
     assert len(hangs) == 1 and dl.find_link_faults(tl, now, hangs) == []
 
 
-def slow_job(srtt=None, retrans=None, late=None, slow_dur=0.060, healthy_s=30.0, slow_s=12.0, extra=()):
+def slow_job(srtt=None, retrans=None, late=None, slow_dur=0.060, healthy_s=30.0, slow_s=12.0, extra=(),
+             stall_every=0):
     """A job with one all-reduce every 0.1 s (3 ms each) for healthy_s, then slow_dur each for
     slow_s; ring traffic with per-pair RTT (us) and retransmissions per collective in the slow part."""
     tl, job, links = job_with_links()
@@ -135,11 +136,12 @@ def slow_job(srtt=None, retrans=None, late=None, slow_dur=0.060, healthy_s=30.0,
             job.feed(tl, t)
     stop = t + slow_s
     while t < stop:
-        job.collective(seq, t, dur=slow_dur, late=late)
+        dur = 0.210 if stall_every and seq % stall_every == 0 else slow_dur  # a retransmission timeout
+        job.collective(seq, t, dur=dur, late=late)
         links.ring(t + slow_dur, srtt=srtt, retrans=retrans)
         for a, b in extra:
             links.send(a, b, t + slow_dur, 4096, srtt_us=(srtt or {}).get((a, b), 50))
-        seq, t = seq + 1, t + 0.1 + slow_dur
+        seq, t = seq + 1, t + 0.1 + dur
         if seq % 5 == 0:
             job.feed(tl, t)
     job.feed(tl, t)
@@ -183,3 +185,13 @@ def test_a_slowdown_without_link_data_says_so():
     tl, now = slow_job(srtt={(r, (r + 1) % 4): 50 for r in range(4)})
     (f,) = dl.find_comm_slow(tl, now)
     assert f.ranks == [] and f.link is None and "no link stands out" in f.evidence["note"]
+
+
+def test_a_heavy_tail_of_retransmission_stalls_is_slow_even_when_the_median_is_not():
+    # 1 collective in 8 waits out a 200 ms RTO; the rest run at normal speed, so the median is fine.
+    tl, now = slow_job(slow_dur=0.003, stall_every=8, retrans={(2, 3): 1})
+    (f,) = dl.find_comm_slow(tl, now)
+    assert f.evidence["judged_by"] == "tail" and (f.ranks, f.link) == ([2, 3], [2, 3])
+    # The same tail at 1 in 40 is noise, not a finding.
+    tl, now = slow_job(slow_dur=0.003, stall_every=40, retrans={(2, 3): 1})
+    assert dl.find_comm_slow(tl, now) == []
