@@ -14,6 +14,7 @@ EPILOG = """examples:
   ccld agent --pid 12345 --collector tcp://10.0.0.5:5555 attach to a running job (its launcher's pid)
   ccld collector --listen tcp://0.0.0.0:5555 --store runs/today --findings findings.jsonl
   ccld diagnose runs/today                              re-run the detectors on a recorded store
+  ccld links runs/today                                 which rank pair every TCP connection joins
   ccld export runs/today --perfetto today.pftrace       a trace to open in ui.perfetto.dev
   ccld report runs/today -o report.html                 one HTML page: findings, heatmaps, plots
   ccld keys /etc/ccld collector                         key pair for CurveZMQ (listening beyond loopback)
@@ -54,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a rank, or a launcher whose descendants are ranks (repeatable)")
     a.add_argument("--discover", action="store_true", help="trace every rank found on this node")
     a.add_argument("--no-bpf", action="store_true", help="use /proc only, no eBPF probes")
+    a.add_argument("--probes", default=None, metavar="LIST",
+                   help="probe families to load, comma-separated (default all: gloo,nccl,net,sched,rdma)")
     a.add_argument("--curve-key", metavar="FILE.key_secret", help="CurveZMQ: this agent's secret key")
     a.add_argument("--collector-key", metavar="FILE.key", help="CurveZMQ: the collector's public key")
     a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)  # print programs + cflags, exit
@@ -76,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("store", metavar="STORE_DIR")
     d.add_argument("--json", action="store_true", help="print findings as JSON lines")
     detector_flags(d)
+
+    ln = sub.add_parser("links", help="the link table of a store: every connection labelled with its rank pair")
+    ln.add_argument("store", metavar="STORE_DIR")
+    ln.add_argument("--job", help="only this job (MASTER_ADDR:MASTER_PORT)")
+    ln.add_argument("--json", action="store_true", help="one JSON object per connection")
 
     x = sub.add_parser("export", help="write a store as a Perfetto trace (or Chrome JSON)",
                        description="Write a store as a trace for ui.perfetto.dev: a track per rank, a slice "

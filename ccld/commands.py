@@ -55,11 +55,12 @@ def cmd_collector(args) -> int:
 
 def cmd_agent(args) -> int:
     if args.ebpf:
-        from ccld.tracer.agent import _families
-        for fam, _ in _families(lambda e: None):
+        from ccld.tracer.agent import FAMILY_NAMES, _families, parse_probes
+        for fam, _ in _families(lambda e: None, parse_probes(args.probes) if args.probes else FAMILY_NAMES):
             print(fam.program_text())
         return 0
-    from ccld.tracer.agent import Agent
+    from ccld.tracer.agent import FAMILY_NAMES, Agent, parse_probes
+    probes = parse_probes(args.probes) if args.probes else FAMILY_NAMES
     for pid in args.pid:
         try:
             os.kill(pid, 0)
@@ -69,7 +70,7 @@ def cmd_agent(args) -> int:
             raise CcldError(f"no permission to trace pid {pid}: run ccld as root (or the process's owner "
                             "with CAP_SYS_PTRACE)") from None
     agent = Agent(args.collector, pids=args.pid, discover_all=args.discover, use_bpf=not args.no_bpf, say=_say,
-                  keys=_client_keys(args))
+                  keys=_client_keys(args), probes=probes)
     agent.load()
     agent.start()
     what = f"pid {', '.join(map(str, args.pid))}" if args.pid else "every rank on this node"
@@ -129,6 +130,20 @@ def cmd_diagnose(args) -> int:
         print(format_line(f))
     for r in recoveries:
         print(format_line(r))
+    return 0
+
+
+def cmd_links(args) -> int:
+    from ccld.collector.links import format_table
+    from ccld.collector.ingest import load_timeline
+    tl = load_timeline(args.store)
+    rows = tl.links.table(args.job)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    for line in format_table(rows, tl.links):
+        print(line)
     return 0
 
 

@@ -54,3 +54,13 @@ def ingest_frame(frame: bytes, recv_unix: float, timeline: Timeline,
     if batch is not None:
         timeline.ingest(batch, recv_unix)
     return batch, err
+
+
+def load_timeline(store_dir: str) -> Timeline:
+    """A store's frames, in stored order, into a fresh Timeline (no detectors). Raises StoreError when
+    the store cannot be read at all; damaged records are skipped (replay.replay reports them)."""
+    from ccld.collector.store import read_store
+    tl, counters = Timeline(), IngestCounters()
+    for recv, frame in read_store(store_dir, []):
+        ingest_frame(frame, recv, tl, counters)
+    return tl

@@ -195,3 +195,26 @@ def test_a_heavy_tail_of_retransmission_stalls_is_slow_even_when_the_median_is_n
     # The same tail at 1 in 40 is noise, not a finding.
     tl, now = slow_job(slow_dur=0.003, stall_every=40, retrans={(2, 3): 1})
     assert dl.find_comm_slow(tl, now) == []
+
+
+def test_ccld_links_prints_the_table_of_a_store(tmp_path, capsys):
+    from ccld import cli
+    from ccld.collector.store import StoreWriter
+    job = SynthJob(world=4, nodes=2)
+    links = SynthLinks(job)
+    job.announce(T0)
+    w = StoreWriter(str(tmp_path / "store"))
+    for f in job.frames(T0):
+        w.append(f, T0)
+    links.ring(T0 + 1, nbytes=3 << 20, retrans={(2, 3): 4})
+    for f in job.frames(T0 + 1.1):
+        w.append(f, T0 + 1.1)
+    w.close()
+    assert cli.main(["links", str(tmp_path / "store")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    row = next(line for line in out if "r2 -> r3" in line)
+    assert f"{rank_ip(2)}:{rank_port(2, 3)}" in row and " 3.0 " in row and " 4 " in row
+    assert any("2->3 3.0 MiB 4 re" in line for line in out)
+    assert cli.main(["links", str(tmp_path / "store"), "--json"]) == 0
+    rows = [__import__("json").loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 8 and {(r["rank"], r["peer"]) for r in rows if r["tx_bytes"]} == {(0, 1), (1, 2), (2, 3), (3, 0)}
