@@ -2,7 +2,7 @@
 
 A Finding's JSON shape is the one in DESIGN.md ("Findings"), plus `id` (stable: the same hang found
 live and by replay has the same id) and `job`. Times (`onset_at`, `detected_at`, times inside the
-evidence) are Unix seconds. Caveat: `stack` stays None until a stack source exists.
+evidence) are Unix seconds. `stack` is the culprits' Python stacks (py-spy, live only), else None.
 """
 from __future__ import annotations
 
@@ -81,8 +81,13 @@ def rank_detail(r: Dict[str, Any], compact: int = 0) -> str:
             text += f" in {wchan[:16] if compact >= 5 else wchan}"
     if (r.get("cpu_busy") or 0) >= 0.5 and r.get("exited_at") is None:  # busy, not waiting: worth a word
         text += f", cpu {100 * r['cpu_busy']:.0f}%"
+    elsewhere = r.get("doing") == "in-collective"
+    if elsewhere:  # waiting in another communicator: the most useful words, kept at every compaction
+        text += f" {r.get('doing_text')}"
     last = r.get("last_entered")
-    if last:
+    if elsewhere and compact >= 3:
+        pass
+    elif last:
         text += f", last {'' if compact >= 2 else 'entered '}seq {last['seq']}"
     elif r.get("seen", True):
         text += ", entered nothing yet"
@@ -97,21 +102,40 @@ def short_comm(comm: str) -> str:
 def format_line(f: Union[Finding, Dict[str, Any]]) -> str:
     """One readable line for a Finding or a recovery record, made more compact until it fits LINE_COLS."""
     if isinstance(f, dict):
+        where = f"{short_comm(f.get('comm'))}" + (f" seq {f.get('seq')}" if (f.get("seq") or 0) >= 0 else "")
         if f.get("kind") == "recovered":
-            line = (f"RECOVERED {f.get('class')} ranks {_ranks_text(f.get('ranks') or [])} {short_comm(f.get('comm'))} "
-                    f"seq {f.get('seq')} ({f.get('id')})")
-            return line if len(line) <= LINE_COLS else line[:LINE_COLS - 3] + "..."
-        raise TypeError("format_line takes a Finding or a recovery record")
+            line = f"RECOVERED {f.get('class')} ranks {_ranks_text(f.get('ranks') or [])} {where} ({f.get('id')})"
+        elif f.get("kind") == "updated":
+            line = f"UPDATED {f.get('class')} {_ranks_text(f.get('ranks') or [])} {where}: {f.get('summary')}"
+        else:
+            raise TypeError("format_line takes a Finding, a recovery record or an update record")
+        return line if len(line) <= LINE_COLS else line[:LINE_COLS - 3] + "..."
     ev = f.evidence or {}
+    if f.kind == "slow" and not ev.get("informational"):
+        line = (f"SLOW {f.cls} {_ranks_text(f.ranks)} {short_comm(f.comm)} {f.op}"
+                + (f" link {f.link[0]}->{f.link[1]}" if f.link else "") + f": {ev.get('summary') or ev.get('note') or ''}")
+        return line if len(line) <= LINE_COLS else line[:LINE_COLS - 3] + "..."
+    if f.cls == "inconsistent":
+        line = f"HANG inconsistent {_ranks_text(f.ranks)} {short_comm(f.comm)} seq {f.seq}: {ev.get('summary', '')}"
+        return line if len(line) <= LINE_COLS else line[:LINE_COLS - 3] + "..."
     inside = ev.get("reason") in ("not-started", "not-finished")
     waited = f.detected_at - f.onset_at
     details = ev.get("ranks") or []
     line = ""
     for compact in range(6):
         verb = ("inside for " if inside else "waiting ") if compact < 4 else ""
-        head = (f"{f.kind.upper()} {f.cls} {'ranks ' if compact < 3 else ''}{_ranks_text(f.ranks)} "
+        kind = "INFO" if ev.get("informational") else f.kind.upper()
+        head = (f"{kind} {f.cls} {'ranks ' if compact < 3 else ''}{_ranks_text(f.ranks)} "
                 f"{short_comm(f.comm)} seq {f.seq} {f.op}: {verb}{waited:.1f} s")
         parts = [head]
+        if ev.get("failed_ranks"):
+            parts.append(f"errors on {_ranks_text(ev['failed_ranks'])}")
+        if ev.get("informational"):
+            parts.append(("busy outside collectives: " if compact < 2 else "") + "a pause, not a hang")
+        if ev.get("deadlock"):
+            parts.append("cross-communicator deadlock" if compact < 2 else "deadlock")
+        if f.link and ev.get("summary"):
+            parts.append(ev["summary"] if compact < 3 else f"link {f.link[0]}->{f.link[1]}")
         if ev.get("reason") == "not-started":
             parts.append("never started it")
         elif ev.get("reason") == "not-finished":

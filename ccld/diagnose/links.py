@@ -42,7 +42,8 @@ SLOW_FACTOR = 3.0          # recent median duration / baseline duration that cou
 MIN_EXTRA_S = 0.010        # and at least this much slower in absolute terms (sub-ms noise is not a finding)
 RTT_OUTLIER = 4.0          # a pair's mean RTT over the window / the median of the job's pairs
 MIN_RTT_US = 1000          # ... and at least 1 ms: loopback and veth RTTs of 20-60 us vary by 2-3x
-MIN_SLOW_RETRANS = 3       # retransmissions in the window that mark a lossy pair
+MIN_SLOW_RETRANS = 20      # retransmissions in the window that mark a lossy pair: a busy 2-core box shows
+                           # 5-10 per link per 10 s on healthy links; 5 % loss gives hundreds
 
 
 def _pair_evidence(s: Optional[PairSummary]) -> Optional[Dict[str, float]]:
@@ -91,7 +92,12 @@ def find_link_faults(tl: Timeline, now: float, hangs: List[Finding]) -> List[Fin
         if named is None:
             continue
         ranks, link = named
-        evidence = {"reason": "link", "hang_reason": h.evidence.get("reason"),
+        worst = max(suspects, key=lambda p: (win[p].resets, win[p].retrans))
+        w = win[worst]
+        what = (f"was reset {w.resets} time(s)" if w.resets else f"retransmitted {w.retrans} times")
+        summary = (f"link {worst[0]}->{worst[1]} {what} since the hang began; other links: at most "
+                   f"{max((s.retrans for p, s in win.items() if p not in suspects), default=0)}")
+        evidence = {"reason": "link", "summary": summary, "hang_reason": h.evidence.get("reason"),
                     "waited_s": h.evidence.get("waited_s"), "threshold_s": h.evidence.get("threshold_s"),
                     "pairs": [_pair_evidence(win[p]) for p in sorted(suspects)],
                     "others_max_retrans": max((s.retrans for p, s in win.items() if p not in suspects), default=0),
@@ -202,8 +208,17 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         ranks, link = named if named is not None else ([], None)
         first = min(recent, key=lambda v: v.seq)
         active = [s.srtt_mean_us for s in win.values() if s.tx_bytes > 0 and s.srtt_mean_us > 0]
+        summary = f"{level / base:.0f}x slower ({level * 1e3:.1f} vs {base * 1e3:.1f} ms)" if base > 0 else "slower"
+        if named is not None:
+            top = max(suspects, key=lambda p: (win[p].retrans, win[p].srtt_mean_us))
+            t = win[top]
+            summary += (f", {t.retrans} retransmissions" if localised_by == "retransmissions"
+                        else f", RTT {t.srtt_mean_us / 1e3:.1f} vs {statistics.median(active) / 1e3:.1f} ms median"
+                        if active else "")
+        else:
+            summary += "; no link stands out"
         evidence = {
-            "op": op, "judged_by": stat, "recent_s": round(level, 6), "baseline_s": round(base, 6),
+            "op": op, "judged_by": stat, "summary": summary, "recent_s": round(level, 6), "baseline_s": round(base, 6),
             "slowdown": round(level / base, 2) if base > 0 else None, "recent_collectives": len(recent),
             "arrival_spread_median_s": round(statistics.median(v.last_enter() - v.first_enter() for v in recent), 6),
             "first_slow_seq": first.seq, "links_since": round(since, 6),
