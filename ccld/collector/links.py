@@ -276,23 +276,25 @@ def _mib(n: int) -> str:
 
 
 def format_table(rows: List[Dict[str, object]], table: "LinkTable") -> List[str]:
-    """The link table for a terminal (100 columns): one line per connection, then per rank pair."""
+    """The link table for a terminal (100 columns): per job, one line per connection, then per rank pair."""
     if not rows:
         return ["no connections recorded (the net probes were off, or the job sent nothing over TCP)"]
-    out = [f"{'job':<22} {'connection':<16} {'local':<22} {'remote':<22} {'MiB out':>8} {'MiB in':>7} "
-           f"{'retr':>5} {'rst':>3} {'srtt us':>7}"]
-    for r in rows:
-        out.append(f"{str(r['job'])[:22]:<22} {str(r['label']).replace('rank ', 'r')[:16]:<16} "
-                   f"{str(r['local'])[:22]:<22} {str(r['remote'])[:22]:<22} {_mib(r['tx_bytes']):>8} "
-                   f"{_mib(r['rx_bytes']):>7} {r['retrans']:>5} {r['resets']:>3} {r['srtt_us']:>7}")
-    jobs = sorted({str(r["job"]) for r in rows})
-    for job in jobs:
+    out: List[str] = []
+    for job in sorted({str(r["job"]) for r in rows}):
+        out.append(f"job {job or '(unknown)'}")
+        out.append(f"  {'connection':<14} {'local':<21} {'remote':<21} {'MiB out':>8} {'MiB in':>8} "
+                   f"{'retr':>5} {'rst':>3} {'srtt us':>7}")
+        for r in rows:
+            if str(r["job"]) != job:
+                continue
+            out.append(f"  {str(r['label']).replace('rank ', 'r')[:14]:<14} {str(r['local'])[:21]:<21} "
+                       f"{str(r['remote'])[:21]:<21} {_mib(r['tx_bytes']):>8} {_mib(r['rx_bytes']):>8} "
+                       f"{r['retrans']:>5} {r['resets']:>3} {r['srtt_us']:>7}")
         pairs = table.pair_window(job, float("-inf"), float("inf"))
-        if not pairs:
-            continue
-        out.append(f"rank pairs of {job} (whole recording): src->dst MiB, retransmissions, mean srtt us")
-        cells = [f"{s.src}->{s.dst} {_mib(s.tx_bytes)} MiB {s.retrans} re {s.srtt_mean_us:.0f} us"
-                 for _, s in sorted(pairs.items())]
-        for i in range(0, len(cells), 3):
-            out.append("  " + " | ".join(cells[i:i + 3]))
+        if pairs:
+            out.append("  rank pairs (whole recording): src->dst MiB sent, retransmissions, mean srtt")
+            cells = [f"{s.src}->{s.dst} {_mib(s.tx_bytes)} MiB {s.retrans} re {s.srtt_mean_us:.0f} us"
+                     for _, s in sorted(pairs.items())]
+            for i in range(0, len(cells), 3):
+                out.append("    " + " | ".join(cells[i:i + 3]))
     return out

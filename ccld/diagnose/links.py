@@ -156,7 +156,6 @@ def _slow_ops(comm: Comm, now: float) -> List[Tuple[str, List[CollView], float, 
             spread = statistics.median(v.last_enter() - v.first_enter() for v in recent)
             if level >= SLOW_FACTOR * base and level - base >= MIN_EXTRA_S and spread < level:
                 out.append((op, recent, base, stat, level))
-                break
     return out
 
 
@@ -189,22 +188,26 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         slow = _slow_ops(comm, now)
         if not slow:
             continue
-        op, recent, base, stat, level = max(slow, key=lambda s: s[4] / max(s[2], 1e-9))
-        # Links are judged over the same span as the slow collectives, not over a fixed window that
-        # would mix in the healthy seconds before the slowdown.
-        since = min(v.first_enter() for v in recent)
-        win = tl.links.pair_window(comm.job, since, now + 1.0)
-        members = tl.expected_members(comm.id)
-        win = {p: s for p, s in win.items() if p[0] in members and p[1] in members}
-        by_rtt, by_loss = _rtt_suspects(win), _retrans_suspects(win)
-        suspects, named = [], None
-        for how, cand in (("retransmissions", by_loss), ("rtt", by_rtt)):
-            got = _name(sorted(cand)) if cand else None
-            if got is not None:
-                suspects, named, localised_by = cand, got, how
+        for op, recent, base, stat, level in sorted(slow, key=lambda s: -s[4] / max(s[2], 1e-9)):
+            # Links are judged over the same span as the slow collectives, not over a fixed window
+            # that would mix in the healthy seconds before the slowdown.
+            since = min(v.first_enter() for v in recent)
+            win = tl.links.pair_window(comm.job, since, now + 1.0)
+            members = tl.expected_members(comm.id)
+            win = {p: s for p, s in win.items() if p[0] in members and p[1] in members}
+            by_rtt, by_loss = _rtt_suspects(win), _retrans_suspects(win)
+            suspects, named, localised_by = by_loss or by_rtt, None, None
+            for how, cand in (("retransmissions", by_loss), ("rtt", by_rtt)):
+                got = _name(sorted(cand)) if cand else None
+                if got is not None:
+                    suspects, named, localised_by = cand, got, how
+                    break
+            # Without a culprit, only a slowdown that fills the whole window (the tail test) counts:
+            # the last few collectives after a link recovers are slow too, and say nothing new.
+            if named is not None or stat == "tail":
                 break
         else:
-            suspects, localised_by = by_loss or by_rtt, None
+            continue
         ranks, link = named if named is not None else ([], None)
         first = min(recent, key=lambda v: v.seq)
         active = [s.srtt_mean_us for s in win.values() if s.tx_bytes > 0 and s.srtt_mean_us > 0]
