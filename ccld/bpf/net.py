@@ -10,7 +10,9 @@ struct sock offsets come from the running kernel's BTF (ccld/bpf/btf.py), passed
 from __future__ import annotations
 
 import ctypes as ct
+import functools
 import socket
+import struct
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -36,6 +38,12 @@ class Conn(ct.Structure):
                 ("cwnd", ct.c_uint64), ("last_tx_ns", ct.c_uint64), ("last_rx_ns", ct.c_uint64)]
 
 
+# struct conn as one unpack: a drain reads thousands of entries, and 20 ctypes attribute reads each
+# cost more than the rest of the drain together.
+CONN_LAYOUT = struct.Struct("<IHHHHi16s16s12Q")
+
+
+@functools.lru_cache(maxsize=4096)
 def format_addr(family: int, raw: bytes) -> str:
     """Text form of an address from the socket; IPv4-mapped IPv6 becomes plain IPv4 so that both
     ends of one connection spell it the same way."""
@@ -74,15 +82,22 @@ class NetFamily(KernelFamily):
     def drain(self) -> None:
         conns = self.bpf[b"conns"]
         gone = []
-        for k, c in conns.items():
-            traced = c.tgid in self.attached
+        try:
+            entries = conns.items_lookup_batch()  # one syscall per batch (5.6+); ~3x cheaper than items()
+        except Exception:
+            entries = conns.items()
+        for k, c in entries:
+            sk = k.value if hasattr(k, "value") else int(k)  # the batch API gives ints, items() ctypes
+            raw = ct.string_at(ct.addressof(c), CONN_LAYOUT.size)
+            tgid = CONN_LAYOUT.unpack_from(raw)[0]
+            traced = tgid in self.attached
             if traced:
-                self.on_record(k.value, c)
+                self.on_record(sk, raw)
             if not traced or c.state == TCP_CLOSE:
-                gone.append(k)
-        for k in gone:
+                gone.append(sk)
+        for sk in gone:
             try:
-                del conns[k]
+                del conns[ct.c_uint64(sk)]
             except KeyError:
                 pass
 
@@ -101,28 +116,28 @@ class NetTranslator:
     def forget(self, pid: int) -> None:
         self.ranks.pop(pid, None)
 
-    def __call__(self, sk: int, c: Conn) -> None:
-        rank = self.ranks.get(c.tgid)
+    def __call__(self, sk: int, raw: bytes) -> None:
+        """One map entry, as the raw bytes of struct conn (CONN_LAYOUT)."""
+        if self._last.get(sk) == raw:
+            return  # nothing moved since the last shipment: the common case for an idle connection
+        (tgid, family, sport, dport, _pad, state, saddr, daddr, tx_bytes, rx_bytes, tx_calls, rx_calls,
+         tx_errs, rx_errs, retrans, resets, srtt_us, cwnd, last_tx_ns, last_rx_ns) = CONN_LAYOUT.unpack(raw)
+        rank = self.ranks.get(tgid)
         if rank is None:
             return
-        closed = c.state == TCP_CLOSE
-        values = (c.tx_bytes, c.rx_bytes, c.tx_calls, c.rx_calls, c.tx_errs, c.rx_errs, c.retrans, c.resets,
-                  c.srtt_us, c.cwnd, c.state, c.tgid, c.sport, c.dport)
-        if not closed and self._last.get(sk) == values:
-            return
+        closed = state == TCP_CLOSE
         if closed:
             self._last.pop(sk, None)
         else:
             if len(self._last) >= MAX_TRACKED and sk not in self._last:
                 self._last.clear()  # only costs one redundant shipment per connection
-            self._last[sk] = values
+            self._last[sk] = raw
         try:
-            saddr, daddr = format_addr(c.family, bytes(c.saddr)), format_addr(c.family, bytes(c.daddr))
+            src, dst = format_addr(family, saddr), format_addr(family, daddr)
         except (ValueError, OSError):
             return
         self.emit(ev.LinkStats(
-            pid=c.tgid, rank=rank, ts_ns=time.monotonic_ns(), saddr=saddr, sport=c.sport, daddr=daddr,
-            dport=c.dport, tx_bytes=c.tx_bytes, rx_bytes=c.rx_bytes, tx_calls=c.tx_calls, rx_calls=c.rx_calls,
-            tx_errs=c.tx_errs, rx_errs=c.rx_errs, retrans=c.retrans, resets=c.resets, srtt_us=c.srtt_us,
-            cwnd=c.cwnd, state=TCP_STATES.get(c.state, ""), last_tx_ns=c.last_tx_ns, last_rx_ns=c.last_rx_ns,
-            closed=closed))
+            pid=tgid, rank=rank, ts_ns=time.monotonic_ns(), saddr=src, sport=sport, daddr=dst, dport=dport,
+            tx_bytes=tx_bytes, rx_bytes=rx_bytes, tx_calls=tx_calls, rx_calls=rx_calls, tx_errs=tx_errs,
+            rx_errs=rx_errs, retrans=retrans, resets=resets, srtt_us=srtt_us, cwnd=cwnd,
+            state=TCP_STATES.get(state, ""), last_tx_ns=last_tx_ns, last_rx_ns=last_rx_ns, closed=closed))
