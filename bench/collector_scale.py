@@ -1,0 +1,238 @@
+"""The collector at 1,024 / 4,096 / 16,384 ranks: what it ingests and stores per second, how late a frame
+reaches the timeline, how much memory it holds per rank, and what a diagnosis tick costs.
+
+Simulated agents: SENDERS processes, each playing a share of the job's nodes (RANKS_PER_NODE ranks and
+one agent id per node), every node sending a frame each 100 ms as the real shipper does, with the
+events of the collectives its ranks did in that interval: the world communicator at --rate collectives
+per second plus one collective of the node's own 8-rank group per world collective, each rank
+entering (ring-ordered arrivals with noise), starting and ending it. Real ZeroMQ PUSH sockets, real
+MessagePack frames, the real collector (in this process, with a store on disk).
+Latency = the collector's receive time (when its ingest thread took the frame) minus the frame's own
+clock sample, stamped when the frame was built: queueing in ZeroMQ plus waiting behind other frames.
+Memory = this process's RSS growth over the run, per rank. Tick = Diagnoser.diagnose() at the end.
+Caveat: senders and collector share this machine's CPUs; the figures are floors.
+
+    .venv/bin/python bench/collector_scale.py [--ranks 1024,4096,16384] [--seconds 20] [--rate 2] [--write-results]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import msgpack  # noqa: E402
+import psutil  # noqa: E402
+import zmq  # noqa: E402
+
+from ccld import events as ev  # noqa: E402
+from results import write_section  # noqa: E402
+
+RANKS_PER_NODE = 8
+SENDERS = 4
+FRAME_S = 0.1          # the shipper's batch period
+JOB = "scale:29500"
+
+
+# ---- a sender process: a share of the nodes ------------------------------------------------------------
+
+def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float, seconds: float) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 64)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(endpoint)
+    rnd = random.Random(index)
+    world_comm, sent, events, dropped = f"{JOB}/gloo:0", 0, 0, 0
+    batch_no = {n: 0 for n in nodes}
+    t_start = time.monotonic()
+    first = True
+    seq_world = 0
+    next_frame = t_start
+    while time.monotonic() - t_start < seconds:
+        next_frame += FRAME_S
+        # Collectives completed in this interval (a fraction carries over via the accumulator).
+        due = int((time.monotonic() - t_start) * rate) - seq_world
+        seqs = list(range(seq_world + 1, seq_world + 1 + max(0, due)))
+        seq_world += len(seqs)
+        now_ns, wall_ns = time.monotonic_ns(), time.time_ns()
+        for n in nodes:
+            evs: List[Dict[str, Any]] = []
+            node = f"node{n}"
+            if first:
+                for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE):
+                    evs.append(ev.RankInfo(pid=1000 + r, rank=r, world_size=world, local_rank=r % RANKS_PER_NODE,
+                                           node=node, job=JOB, ts_ns=now_ns).to_wire())
+                    for comm, size in ((world_comm, world), (f"{JOB}/gloo:{1 + n}", RANKS_PER_NODE)):
+                        evs.append(ev.CommInit(pid=1000 + r, rank=r, ts_ns=now_ns, backend="gloo", comm=comm,
+                                               group_rank=r if size == world else r % RANKS_PER_NODE,
+                                               group_size=size).to_wire())
+            for s in seqs:
+                for comm, seq in ((world_comm, s), (f"{JOB}/gloo:{1 + n}", s)):
+                    for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE):
+                        lag = int(((r * 7919) % world) / world * 2e6 + rnd.random() * 1e6)  # ring order + noise
+                        t = now_ns - 50_000_000 + lag
+                        evs.append({"k": "coll", "pid": 1000 + r, "rank": r, "ts_ns": t, "backend": "gloo",
+                                    "comm": comm, "seq": seq, "op": "allreduce"})
+                        evs.append({"k": "start", "pid": 1000 + r, "rank": r, "ts_ns": t + 3_000_000,
+                                    "comm": comm, "seq": seq})
+                        evs.append({"k": "end", "pid": 1000 + r, "rank": r, "ts_ns": t + 8_000_000,
+                                    "comm": comm, "seq": seq})
+            evs.append({"k": "clock", "mono_ns": now_ns, "wall_ns": wall_ns, "ts_ns": now_ns})
+            batch_no[n] += 1
+            frame = msgpack.packb({"v": [ev.SCHEMA_MAJOR, ev.SCHEMA_MINOR], "agent": f"agent-{n}", "node": node,
+                                   "batch": batch_no[n], "events": evs}, use_bin_type=True)
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                sent += 1
+                events += len(evs)
+            except zmq.Again:
+                dropped += 1  # the real shipper would keep the events in its bounded queue; here: counted
+        first = False
+        time.sleep(max(0.0, next_frame - time.monotonic()))
+    print(json.dumps({"sent": sent, "events": events, "dropped": dropped, "late": next_frame < time.monotonic()}),
+          flush=True)
+    sock.close()
+    ctx.term()
+
+
+# ---- one run at one size -------------------------------------------------------------------------------
+
+def run(ranks: int, seconds: float, rate: float) -> Dict[str, Any]:
+    from ccld.collector.server import Collector
+    nodes = ranks // RANKS_PER_NODE
+    store = tempfile.mkdtemp(prefix="ccld-scale-")
+    col = Collector(listen="tcp://127.0.0.1:*", store_dir=store, on_line=lambda s: None)
+    lat: List[float] = []
+    real_ingest = col.timeline.ingest
+
+    def ingest(batch, recv_unix):  # the frame's clock sample was stamped when the sender built it
+        for e in batch.events:
+            if e.KIND == "clock":
+                lat.append(recv_unix - e.wall_ns / 1e9)
+        real_ingest(batch, recv_unix)
+
+    col.timeline.ingest = ingest
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss
+    cpu0 = proc.cpu_times()
+    col.start()
+    peak = [rss0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.2):
+            peak[0] = max(peak[0], proc.memory_info().rss)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    share = [list(range(i, nodes, SENDERS)) for i in range(SENDERS)]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--sender", col.endpoint, "--index", str(i),
+                               "--nodes", ",".join(map(str, share[i])), "--world", str(ranks), "--rate", str(rate),
+                               "--seconds", str(seconds)], stdout=subprocess.PIPE, text=True)
+             for i in range(SENDERS) if share[i]]
+    t0 = time.monotonic()
+    outs = [json.loads(p.stdout.readline()) for p in procs]
+    send_s = time.monotonic() - t0
+    ingested_at_end = sum(col.timeline.events_by_kind.values())
+    backlog_deadline = time.monotonic() + 120
+    offered = sum(o["events"] for o in outs)
+    while sum(col.timeline.events_by_kind.values()) < offered and time.monotonic() < backlog_deadline:
+        time.sleep(0.1)
+    drain_s = time.monotonic() - t0 - send_s
+    for p in procs:
+        p.wait(30)
+    now = time.time()
+    ticks = []
+    for _ in range(5):
+        with col.lock:
+            t = time.perf_counter()
+            col.diagnoser.diagnose(now) if hasattr(col.diagnoser, "diagnose") else col.diagnoser.find_hangs(now)
+            ticks.append(time.perf_counter() - t)
+    rss1 = proc.memory_info().rss
+    cpu1 = proc.cpu_times()
+    stop.set()
+    col.stop()
+    ingested = sum(col.timeline.events_by_kind.values())
+    subprocess.run(["rm", "-rf", store])
+    lat.sort()
+    busy = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+    return {"ranks": ranks, "nodes": nodes, "rate": rate, "seconds": seconds, "offered": offered,
+            "offered_per_s": offered / send_s, "ingested": ingested, "sender_drops": sum(o["dropped"] for o in outs),
+            "ingested_during_send_per_s": ingested_at_end / send_s,
+            "ingest_per_s": ingested / (send_s + drain_s), "drain_s": drain_s,
+            "ingest_per_cpu_s": ingested / busy if busy > 0 else None,
+            "lat_p50_ms": lat[len(lat) // 2] * 1e3 if lat else None,
+            "lat_p99_ms": lat[int(len(lat) * 0.99)] * 1e3 if lat else None,
+            "rss_growth_mib": (rss1 - rss0) / 2**20, "rss_peak_mib": peak[0] / 2**20,
+            "kib_per_rank": (peak[0] - rss0) / 1024 / ranks, "tick_ms": statistics.median(ticks) * 1e3}
+
+
+def write_results(rows: List[Dict[str, Any]], cmd: str) -> None:
+    lines = []
+    for r in rows:
+        lines.append(f"| {r['ranks']:,} | {r['offered_per_s']:,.0f} | {r['ingest_per_s']:,.0f} | "
+                     f"{(r['ingest_per_cpu_s'] or 0):,.0f} | {r['lat_p50_ms']:,.0f} / {r['lat_p99_ms']:,.0f} | "
+                     f"{r['drain_s']:.1f} s | {r['rss_peak_mib']:,.0f} MiB ({r['kib_per_rank']:.0f} KiB/rank) | "
+                     f"{r['tick_ms']:.1f} ms |")
+    r0 = rows[0]
+    body = f"""### Collector at scale: simulated agents for 1,024 to 16,384 ranks
+
+`{cmd}` as root on {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}. {SENDERS} sender processes play the nodes
+({RANKS_PER_NODE} ranks and one agent each, a frame per node every 100 ms); the job does {r0['rate']:g} world
+all-reduces a second plus one 8-rank-group collective per node each time, every rank entering (ring-ordered
+arrivals with noise), starting and ending each; {r0['seconds']:g} s of sending, then the collector drains what
+is queued. Collector in this process, storing to disk. Latency: frame built -> taken by the ingest thread.
+
+| ranks | offered events/s | ingested events/s | ingested per CPU-second | latency p50 / p99 ms | drain after | memory peak | diagnosis tick |
+|---:|---:|---:|---:|---:|---:|---:|---:|
+{chr(10).join(lines)}
+
+Goals: >= 1,000,000 events/s on one core; p99 <= 100 ms at 4,096 ranks; memory bounded and stated per rank;
+tick <= 20 ms at 4,096 and <= 100 ms at 16,384. The collector decodes and files every event in Python
+(~6 us to decode and ~11 us to file one on this box): it is about 15x short of the ingest goal, so any
+offered load above its rate queues in ZeroMQ (bounded per agent by RCVHWM) and latency grows with the
+backlog. Memory is bounded by the timeline's per-communicator bounds (at most ~1M per-rank entries per
+communicator), not by the run's length."""
+    write_section("collector_scale", body)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", default="1024,4096,16384")
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--rate", type=float, default=2.0, help="world collectives per second")
+    ap.add_argument("--write-results", action="store_true")
+    ap.add_argument("--sender", help=argparse.SUPPRESS)
+    ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--nodes", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.sender:
+        sender(a.sender, a.index, [int(x) for x in a.nodes.split(",") if x], a.world, a.rate, a.seconds)
+        return
+    rows = []
+    for n in (int(x) for x in a.ranks.split(",")):
+        r = run(n, a.seconds, a.rate)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    if a.write_results:
+        write_results(rows, "python bench/collector_scale.py"
+                      + (f" --ranks {a.ranks}" if a.ranks != "1024,4096,16384" else "")
+                      + (f" --seconds {a.seconds:g}" if a.seconds != 20 else "")
+                      + (f" --rate {a.rate:g}" if a.rate != 2 else "") + " --write-results")
+
+
+if __name__ == "__main__":
+    main()
