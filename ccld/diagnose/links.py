@@ -17,6 +17,8 @@ Thresholds are in the constants below, each with its reason; evidence carries th
 from __future__ import annotations
 
 import statistics
+import weakref
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ccld.collector.links import PairSummary
@@ -33,6 +35,7 @@ RECENT_S = 10.0            # the window a slowdown is judged over ...
 RECENT_N = 10              # ... or its last RECENT_N collectives, if fewer: a 30x slower job completes a
                            # handful in 10 s, and a median over mostly pre-fault ones would hide it
 MIN_RECENT = 5             # completed collectives of one op needed in that window
+BASELINE_EVERY = 64        # completions of a communicator between two recomputations of its baselines
 MIN_TAIL = 20              # ... and for judging its tail (mean and 90th percentile over RECENT_S)
 BULK_SHARE = 0.1           # pairs carrying at least this share of the busiest pair's bytes are judged
                            # on RTT; a pair that only sends a few control bytes sees the receiver's
@@ -116,35 +119,72 @@ def _conn_evidence(tl: Timeline, job: str, ranks: List[int]) -> List[Dict[str, o
              "last_progress_at": c.progress_at} for c in tl.links.conns_between(job, ranks[0], ranks[1])]
 
 
-def _completed(comm: Comm) -> List[CollView]:
-    return [v for v in comm.colls.values() if v.completed_at is not None and v.enter]
-
-
 def _duration(v: CollView) -> float:
     return max(0.0, v.completed_at - v.last_enter())
 
 
-def _slow_ops(comm: Comm, now: float) -> List[Tuple[str, List[CollView], float, str, float]]:
-    """(op, its recent collectives, its baseline duration) for every op of `comm` that got slow.
+@dataclass
+class _CommState:
+    """What find_comm_slow remembers about one communicator between ticks (a tick must stay cheap at
+    thousands of communicators: one that completed nothing new and was fine is not looked at again)."""
+    completed_seen: int = -1
+    slow: bool = False
+    base_at: int = -(1 << 30)                                  # comm.completed when baselines were made
+    base: Dict[str, Tuple[float, int]] = field(default_factory=dict)  # op -> (baseline s, collectives behind it)
+
+
+_STATE: "weakref.WeakKeyDictionary[Timeline, Dict[str, _CommState]]" = weakref.WeakKeyDictionary()
+
+
+def _newest(comm: Comm, now: float) -> Dict[str, List[CollView]]:
+    """Per op, the completed collectives of the last RECENT_S, or the last RECENT_N if more, newest first."""
+    out: Dict[str, List[CollView]] = {}
+    for v in reversed(comm.colls.values()):
+        if v.completed_at is None or not v.enter:
+            continue
+        if v.completed_at < now - RECENT_S and out and all(len(x) >= RECENT_N for x in out.values()):
+            break
+        got = out.setdefault(v.op, [])
+        if len(got) < RECENT_N or v.completed_at >= now - RECENT_S:
+            got.append(v)
+    return out
+
+
+def _baselines(comm: Comm, newest: Dict[str, List[CollView]]) -> Dict[str, Tuple[float, int]]:
+    """Per op, the fast quartile of the durations before its newest collectives: a slowdown that has
+    lasted a while must not become "normal" while most of the history is still healthy."""
+    skip = {id(v) for vs in newest.values() for v in vs}
+    durs: Dict[str, List[float]] = {}
+    for v in comm.colls.values():
+        if v.completed_at is not None and v.enter and id(v) not in skip:
+            durs.setdefault(v.op, []).append(_duration(v))
+    out = {}
+    for op, d in durs.items():
+        d.sort()
+        out[op] = (d[len(d) // 4], len(d))
+    return out
+
+
+def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, List[CollView], float, str, float]]:
+    """(op, its recent collectives, its baseline duration, test, level) for every op of `comm` that got slow.
 
     Two shapes of slow: a crawl (every collective slower: the median of the last RECENT_N is
     SLOW_FACTOR x the baseline), and a heavy tail (most collectives fine, but enough of them stall
     on retransmission timeouts that the mean and the 90th percentile over RECENT_S are)."""
-    by_op: Dict[str, List[CollView]] = {}
-    for v in _completed(comm):
-        by_op.setdefault(v.op, []).append(v)
+    if comm.completed == st.completed_seen and not st.slow:
+        return []
+    st.completed_seen = comm.completed
+    newest = _newest(comm, now)
+    if comm.completed - st.base_at >= BASELINE_EVERY or not st.base:
+        st.base, st.base_at = _baselines(comm, newest), comm.completed
     out = []
-    for op, views in by_op.items():
-        views.sort(key=lambda v: v.completed_at)
-        window = [v for v in views if v.completed_at >= now - RECENT_S]
+    for op, views in newest.items():
+        base, behind = st.base.get(op, (0.0, 0))
+        views = views[::-1]
         last = views[-RECENT_N:]
-        before = views[:len(views) - max(len(window), len(last))]
-        if len(last) < MIN_RECENT or len(before) < MIN_BASELINE:
+        window = [v for v in views if v.completed_at >= now - RECENT_S]
+        if len(last) < MIN_RECENT or behind < MIN_BASELINE:
             continue
-        # The baseline is the fast quartile of what came before: a slowdown that has lasted a while
-        # must not become "normal" while most of the history is still healthy.
-        durs = sorted(_duration(v) for v in before)
-        base = durs[len(durs) // 4]
         for recent, stat in ((last, "median"), (window, "tail")):
             if stat == "median":
                 level = statistics.median(_duration(v) for v in recent)
@@ -156,6 +196,7 @@ def _slow_ops(comm: Comm, now: float) -> List[Tuple[str, List[CollView], float, 
             spread = statistics.median(v.last_enter() - v.first_enter() for v in recent)
             if level >= SLOW_FACTOR * base and level - base >= MIN_EXTRA_S and spread < level:
                 out.append((op, recent, base, stat, level))
+    st.slow = bool(out)
     return out
 
 
@@ -184,8 +225,12 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
     """`comm-slow` findings: arrivals line up but collectives take longer than their baseline; the
     rank pair whose transfers lag (RTT or retransmissions out of line) is named."""
     out = []
+    states = _STATE.setdefault(tl, {})
     for comm in list(tl.comms.values()):
-        slow = _slow_ops(comm, now)
+        st = states.get(comm.id)
+        if st is None:
+            st = states[comm.id] = _CommState()
+        slow = _slow_ops(comm, now, st)
         if not slow:
             continue
         for op, recent, base, stat, level in sorted(slow, key=lambda s: -s[4] / max(s[2], 1e-9)):
