@@ -1,0 +1,177 @@
+"""Inconsistent collectives: ranks of one communicator that called different things at one seq.
+
+c10d numbers every collective of a process group on each rank independently, so (comm, seq) is the
+same call on every rank only if every rank makes the same calls in the same order. For the newest
+WINDOW collectives of each communicator:
+  - ranks at one (comm, seq) with different ops -> "inconsistent", naming the ranks whose op is not
+    the majority's (a tie names every rank: no majority, no culprit);
+  - same op but different (count, dtype), where the probes report them (NCCL does; gloo's probes do
+    not, count -1) -> "inconsistent" the same way;
+  - the evidence says whether the odd rank's sequence diverged: the communicator's ops repeat with a
+    period (one training step); when the odd rank's ops equal the majority's pattern shifted by k
+    seqs, it skipped (k > 0) or added (k < 0) k collectives.
+A collective is judged once all expected members entered it, or GRACE_S after the first did (late
+ranks cannot outvote the early ones). A completed, consistent collective is remembered as such and
+not looked at again. Times: Unix seconds.
+Caveat: a tensor size mismatch on gloo is not seen here (no sizes); it usually makes gloo abort a
+rank, which hang.py reports as a fault of the rank that died.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from ccld.collector.timeline import Comm, CollView, Timeline
+from ccld.diagnose.findings import Finding
+from ccld.diagnose.hang import EVIDENCE_RANKS, rank_evidence
+
+WINDOW = 8            # newest collectives of a communicator checked every tick (older ones completed)
+GRACE_S = 1.0         # judge a collective not everyone entered only after this long: agents ship every 100 ms
+HISTORY = 48          # collectives looked back at to learn the op pattern (a step's worth, several times)
+MAX_PERIOD = 16       # longest op pattern (collectives per step) searched for
+MAX_SHIFT = 3         # largest skip/addition of collectives reported
+
+
+def _vote(values: Dict[int, Any]) -> Tuple[Optional[Any], List[int]]:
+    """(majority value or None on a tie, ranks that differ from it; every rank on a tie)."""
+    counts = collections.Counter(values.values())
+    (top, n), *rest = counts.most_common()
+    if rest and rest[0][1] == n:
+        return None, sorted(values)
+    return top, sorted(r for r, v in values.items() if v != top)
+
+
+def _majority_ops(comm: Comm, first: int, last: int) -> Dict[int, str]:
+    out = {}
+    for s in range(first, last + 1):
+        v = comm.colls.get(s)
+        if v is not None and v.ops:
+            top, _ = _vote(v.ops)
+            if top is not None:
+                out[s] = top
+    return out
+
+
+def _period(maj: Dict[int, str], upto: int) -> Optional[int]:
+    """Smallest P such that the majority's ops before `upto` repeat every P collectives (seen at
+    least 3 times over), else None."""
+    seqs = sorted(s for s in maj if s < upto)
+    for p in range(1, MAX_PERIOD + 1):
+        pairs = [(s, s - p) for s in seqs if s - p in maj]
+        if len(pairs) >= 2 * p and all(maj[a] == maj[b] for a, b in pairs):
+            return p
+    return None
+
+
+def _shift(comm: Comm, rank: int, seq: int, maj: Dict[int, str]) -> Optional[Dict[str, Any]]:
+    """How `rank`'s ops from `seq` on line up with the majority's pattern: {'shift': k, 'period': P}
+    when the shifts k in [-MAX_SHIFT, MAX_SHIFT] \\ {0} that explain them are one shift modulo the
+    period (the smallest is given), else None."""
+    p = _period(maj, seq)
+    if p is None or p == 1:
+        return None  # one op over and over: a skipped call leaves no trace in the ops
+
+    def expected(s: int) -> Optional[str]:
+        if s in maj and s < seq:
+            return maj[s]
+        base = [b for b in maj if b < seq and (s - b) % p == 0]
+        return maj[max(base)] if base else None
+
+    mine = {}
+    for s in range(seq, comm.max_seq + 1):
+        v = comm.colls.get(s)
+        if v is not None and rank in v.ops:
+            mine[s] = v.ops[rank]
+    fits = [k for k in range(-MAX_SHIFT, MAX_SHIFT + 1)
+            if k and mine and all(expected(s + k) == op for s, op in mine.items())]
+    if not fits or len({k % p for k in fits}) != 1 or fits[0] % p == 0:
+        return None  # nothing fits, or shifts that are not the same modulo the period: no story
+    k = min(fits, key=lambda k: (abs(k), -k))  # skipping 1 and adding p-1 look alike: the smaller is likelier
+    return {"shift": k, "period": p, "compared": len(mine)}
+
+
+def _check_view(tl: Timeline, comm: Comm, view: CollView, expected: Set[int], now: float) -> Optional[Finding]:
+    ops = {r: op for r, op in view.ops.items() if r in expected}
+    if len(ops) < 2:
+        return None
+    sizes = {r: sz for r, sz in view.sizes.items() if r in expected}
+    differ_ops = len(set(ops.values())) > 1
+    differ_sizes = not differ_ops and len(sizes) == len(ops) and len(set(sizes.values())) > 1
+    if not (differ_ops or differ_sizes):
+        return None
+    if len(ops) < len(expected) and now - view.first_enter() < GRACE_S:
+        return None  # the rest may still come and change the vote
+    what = "op" if differ_ops else "size"
+    top, odd = _vote(ops if differ_ops else sizes)
+    detail_ranks = odd[:EVIDENCE_RANKS]
+    by_value: Dict[str, List[int]] = collections.defaultdict(list)
+    for r, v in (ops if differ_ops else sizes).items():
+        by_value[str(v)].append(r)
+    evidence: Dict[str, Any] = {
+        "reason": f"different-{what}", "majority": None if top is None else str(top), "tie": top is None,
+        "calls": {k: sorted(v)[:EVIDENCE_RANKS] for k, v in sorted(by_value.items())},
+        "entered": len(ops), "expected": len(expected), "missing": sorted(expected - ops.keys())[:EVIDENCE_RANKS],
+        "sizes_known": bool(sizes), "completed": view.completed_at is not None,
+        "ranks": [dict(rank_evidence(tl, comm, r, now), called=ops.get(r), size=sizes.get(r)) for r in detail_ranks],
+    }
+    if differ_ops and top is not None:
+        maj = _majority_ops(comm, max(0, view.seq - HISTORY), comm.max_seq)
+        shifts = {str(r): s for r in detail_ranks for s in [_shift(comm, r, view.seq, maj)] if s}
+        if shifts:
+            evidence["diverged"] = shifts
+    called = ", ".join(f"rank {r} {ops[r]}" for r in odd[:3])
+    evidence["summary"] = (f"{called} where the others called {top}" if top is not None
+                           else f"no majority: {'; '.join(f'{k} {v}' for k, v in sorted(by_value.items()))}")
+    onset = min(view.enter[r] for r in odd if r in view.enter) if odd else view.first_enter()
+    return Finding(kind="hang", cls="inconsistent", ranks=odd, comm=comm.id, seq=view.seq,
+                   op=str(top) if top is not None and differ_ops else view.op, onset_at=onset, detected_at=now,
+                   evidence=evidence, job=comm.job)
+
+
+class InconsistencyChecker:
+    """Keeps which (comm, seq) were completed and consistent, so each collective is checked once
+    after it completes; one per Timeline."""
+
+    def __init__(self) -> None:
+        self._ok: Dict[str, int] = {}   # comm id -> highest seq s such that every seq <= s in the window is settled
+
+    def find(self, tl: Timeline, now: float) -> List[Finding]:
+        out = []
+        for comm in list(tl.comms.values()):
+            if comm.max_seq < 0:
+                continue
+            settled = self._ok.get(comm.id, -1)
+            first = max(comm.max_seq - WINDOW + 1, settled + 1, comm.evicted_upto + 1)
+            expected: Optional[Set[int]] = None
+            found = None
+            ok_upto = settled
+            contiguous = True
+            for s in range(first, comm.max_seq + 1):
+                view = comm.colls.get(s)
+                if view is None:
+                    continue
+                if contiguous and view.completed_at is not None and len(set(view.ops.values())) <= 1 \
+                        and len(set(view.sizes.values())) <= 1:
+                    ok_upto = s  # completed and consistent: never looked at again
+                    continue
+                contiguous = False
+                if expected is None:
+                    expected = tl.expected_members(comm.id)
+                    if len(expected) < 2:
+                        break
+                found = _check_view(tl, comm, view, expected, now)
+                if found is not None:
+                    break  # the earliest inconsistent collective is the root; later ones follow from it
+            self._ok[comm.id] = ok_upto
+            if found is not None:
+                out.append(found)
+        if len(self._ok) > 4 * len(tl.comms) + 64:  # communicators replaced or dropped
+            self._ok = {c: s for c, s in self._ok.items() if c in tl.comms}
+        return out
+
+
+def explains(f: Finding, other: Finding) -> bool:
+    """True when inconsistent finding `f` explains hang finding `other` (same communicator, at or
+    after the inconsistent collective): the hang is a consequence, not a second problem."""
+    return other.comm == f.comm and other.seq >= f.seq
+

@@ -1,0 +1,356 @@
+"""Compute-slow detection: ranks that arrive late at collectives, step after step (`comp-slow`).
+
+For every collective that completed in the last WINDOW_S, each rank's arrival lag is its enter time
+minus the median enter time of the collective's ranks (the earliest other rank's, for a pair): a
+robust reference that one or a few late ranks cannot drag. The job's own arrival noise is learned
+from the same window: sigma = 1.4826 x the median over collectives of their median absolute lag.
+A rank is comp-slow on one op of a communicator when there is an *episode*, the newest run of that
+op's collectives (at least MIN_COLLS of them, lasting at least MIN_EPISODE_S, up to the window), in
+which:
+  - its lag exceeds max(LAG_FLOOR_S, NOISE_Z x sigma) in at least LATE_FRACTION of them
+    (so one-off lateness, a GC pause or a one-time checkpoint, is never a finding),
+  - those late collectives span at least SPAN_FRACTION of the episode (not one burst), and
+  - the others spent at least MIN_COST of the episode waiting for it (a 5 ms lag on a 10 s step is
+    not worth a line).
+The longest such episode is taken (a change point: the lateness began where it starts), so a rank
+that turns slow is named MIN_EPISODE_S after it did, whatever came before.
+Evidence: the lag numbers, the noise and threshold, and what the late rank's process did: runqueue
+wait (SchedStats: CPU contention), disk I/O or CPU use (/proc), against the other ranks'.
+Findings carry seq -1 (a slowdown spans many collectives; its identity must not move with the
+window) and `first_late_seq` in the evidence. Times: Unix seconds.
+Cost: each collective is summarised once, when it completes (numpy over its ranks); a tick only
+aggregates the summaries' few late ranks.
+"""
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ccld.collector.timeline import Comm, CollView, Timeline
+from ccld.diagnose.findings import Finding, short_comm
+from ccld.diagnose.hang import EVIDENCE_RANKS, rank_evidence
+
+WINDOW_S = 30.0          # lateness is judged over the collectives completed in the last 30 s
+MAX_SCAN = 2048          # newest collectives of a communicator looked at per tick (bounds a fast job)
+MIN_COLLS = 20           # collectives of one op in the window before that op is judged
+LATE_FRACTION = 0.5      # late in at least half of them: "step after step"
+MIN_LATE = 10            # ... and at least this many times
+MIN_EPISODE_S = 5.0      # ... over at least 5 s: "step after step", not a one-second burst
+SPAN_FRACTION = 0.5      # the late collectives cover at least half of the window: not one burst
+LAG_FLOOR_S = 0.005      # 5 ms: below this, arrival order on a busy host is scheduling noise
+NOISE_Z = 4.0            # ... or this many robust sigmas of the job's own arrival noise
+MIN_COST = 0.05          # the others waited for it at least 5 % of the window's time
+PRE_LAG_S = 0.001        # lags kept per collective summary: above 1 ms and 3 MADs of that collective
+MAX_LATE_PER_COLL = 32   # "one or a few ranks": more late ranks than this in one collective are not kept
+SMALL_GROUP = 64         # collectives of up to this many ranks are summarised without numpy
+CONTENDED_RUNQ = 0.05    # runnable-but-waiting s per s that counts as CPU contention ...
+CONTENDED_VS_OTHERS = 2.0  # ... and this many times the other ranks' median (a label on a rank already late)
+SLOWER_CPU = 1.5         # a late rank whose own link is slow, waiting this much more for a CPU: one cause
+STARVED_RUNQ = 0.25      # to blame a slow collective on one rank's CPU instead of the network, more:
+STARVED_VS_OTHERS = 5.0  # a quarter of a second per second, 5x the others (a busy host varies ~2-3x)
+BUSY_CPU = 0.5           # CPU s per s that counts as compute-bound ...
+MORE_CPU = 0.15          # ... when it is this much more than the other ranks' median
+
+
+@dataclass(frozen=True)
+class CollSummary:
+    """One completed collective, reduced to what lateness needs."""
+    seq: int
+    op: str
+    first_enter: float
+    completed_at: float
+    mad: float                           # median absolute lag of its ranks, s
+    late: Tuple[Tuple[int, float], ...]  # (rank, lag s) of ranks well above the median
+
+
+def summarize(view: CollView) -> Optional[CollSummary]:
+    n = len(view.enter)
+    if n < 2 or view.completed_at is None:
+        return None
+    if n <= SMALL_GROUP:  # numpy's per-call overhead dominates below a few dozen values
+        lo, hi = min(view.enter.values()), max(view.enter.values())
+        if hi - lo <= PRE_LAG_S:  # all arrived within a millisecond (most collectives): nobody late, and
+            # half the spread bounds the MAD (its noise weight is below LAG_FLOOR_S anyway)
+            return CollSummary(view.seq, view.op, lo, view.completed_at, (hi - lo) / 2, ())
+        times = sorted(view.enter.values())
+        ref = times[0] if n == 2 else _mid(times)
+        mad = 0.0 if n == 2 else _mid(sorted(abs(x - ref) for x in times))
+        cut = max(PRE_LAG_S, 3 * 1.4826 * mad)
+        late = tuple(sorted(((r, x - ref) for r, x in view.enter.items() if x - ref > cut),
+                            key=lambda p: p[1])[-MAX_LATE_PER_COLL:])
+        return CollSummary(view.seq, view.op, times[0], view.completed_at, mad, late)
+    ranks = list(view.enter)
+    arr = np.fromiter(view.enter.values(), dtype=float, count=n)
+    ref = float(np.median(arr))
+    lag = arr - ref
+    mad = float(np.median(np.abs(lag)))
+    cut = max(PRE_LAG_S, 3 * 1.4826 * mad)
+    idx = np.flatnonzero(lag > cut)
+    if len(idx) > MAX_LATE_PER_COLL:
+        idx = idx[np.argsort(lag[idx])[-MAX_LATE_PER_COLL:]]
+    late = tuple((ranks[i], float(lag[i])) for i in idx)
+    return CollSummary(view.seq, view.op, float(arr.min()), view.completed_at, mad, late)
+
+
+def _mid(xs: List[float]) -> float:
+    """The median of a sorted list."""
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def _bucket(x: float) -> str:
+    """A lag on a 1-1.5-2-3-5-7 scale, for the summary line: it changes only when the lag really moves."""
+    if x <= 0:
+        return "0 ms"
+    e = math.floor(math.log10(x))
+    m = x / 10 ** e
+    v = min((1, 1.5, 2, 3, 5, 7, 10), key=lambda c: abs(math.log(m / c))) * 10 ** e
+    return f"~{v * 1000:g} ms" if v < 1 else f"~{v:g} s"
+
+
+def _median(xs: List[float]) -> Optional[float]:
+    return float(np.median(xs)) if xs else None
+
+
+def _cause(tl: Timeline, comm: Comm, rank: int, members: List[int]) -> Dict[str, Any]:
+    """Why `rank` may be late, from its process against the other ranks': {cause, cause_text,
+    others_runq_share, others_cpu_busy}. Relative on purpose: on a host where every rank waits for a
+    CPU, waiting for a CPU does not single one out."""
+    rec = tl.rank_record(comm.job, rank)
+    if rec is None:
+        return {"cause": "unknown", "cause_text": "no /proc or scheduler data for this rank"}
+    others = [o for o in (tl.rank_record(comm.job, q) for q in members[:256] if q != rank) if o is not None]
+    runq = getattr(rec, "runq_share", None)
+    their_runq = _median([o.runq_share for o in others if getattr(o, "runq_share", None) is not None])
+    their_cpu = _median([o.cpu_busy for o in others if o.cpu_busy is not None])
+    out: Dict[str, Any] = {"others_runq_share": None if their_runq is None else round(their_runq, 3),
+                           "others_cpu_busy": None if their_cpu is None else round(their_cpu, 3)}
+    if runq is not None and runq >= CONTENDED_RUNQ and runq >= CONTENDED_VS_OTHERS * (their_runq or 0.0):
+        return dict(out, cause="cpu-contended",
+                    cause_text=f"its threads wait for a CPU {runq:.2f} s per s (other ranks {their_runq or 0:.2f}): "
+                               "another process competes for its cores")
+    if rec.state == "D":
+        return dict(out, cause="io", cause_text="in disk I/O" + (f" ({rec.wchan})" if rec.wchan and rec.wchan != "0" else ""))
+    if rec.cpu_busy is not None and rec.cpu_busy >= BUSY_CPU and rec.cpu_busy >= (their_cpu or 0.0) + MORE_CPU:
+        return dict(out, cause="busy-compute",
+                    cause_text=f"busy on CPU {100 * rec.cpu_busy:.0f}% (other ranks {100 * (their_cpu or 0):.0f}%): "
+                               "more work, or a slower CPU, than the others")
+    if runq is None:
+        return dict(out, cause="unknown", cause_text="no scheduler data (sched probe off): CPU contention cannot be told")
+    return dict(out, cause="unknown", cause_text="no CPU contention, disk I/O or extra CPU use that sets it apart")
+
+
+@dataclass
+class _Window:
+    """One communicator's summaries, oldest first, and the bookkeeping that keeps a tick's work
+    proportional to what changed since the previous one."""
+    owner: int                     # id() of the Comm: a rebuilt group starts seqs over
+    items: Deque[CollSummary] = field(default_factory=collections.deque)  # oldest first (~seq order)
+    newest: int = -1               # highest seq looked at
+    completed: int = -1            # comm.completed when last looked at: unchanged means nothing to add
+    open: Dict[int, None] = field(default_factory=dict)  # seqs seen before they completed: looked at again
+    late: int = 0                  # summaries in `items` with a lag above LAG_FLOOR_S
+
+
+class LatenessDetector:
+    """Keeps one summary per completed collective (per Timeline) and answers find() each tick."""
+
+    def __init__(self) -> None:
+        self._windows: Dict[str, _Window] = {}
+
+    def _add(self, w: _Window, view: CollView) -> None:
+        s = summarize(view)
+        if s is not None:
+            w.items.append(s)
+            w.late += any(lag > LAG_FLOOR_S for _, lag in s.late)
+
+    def _window(self, comm: Comm, now: float) -> _Window:
+        w = self._windows.get(comm.id)
+        if w is None or w.owner != id(comm):
+            w = self._windows[comm.id] = _Window(owner=id(comm))
+        horizon = now - WINDOW_S
+        fresh = []
+        scan = comm.completed != w.completed  # nothing completed since the last tick: nothing to add
+        w.completed = comm.completed
+        for n, seq in enumerate(reversed(comm.colls) if scan else ()):  # collectives begun since the last tick
+            if seq <= w.newest or n >= MAX_SCAN:
+                break
+            fresh.append(seq)
+        if fresh:
+            w.newest = fresh[0]
+        for seq in list(w.open) if scan else ():  # and those that were still running then
+            view = comm.colls.get(seq)
+            if view is None:
+                del w.open[seq]
+            elif view.completed_at is not None:
+                del w.open[seq]
+                if view.completed_at >= horizon:
+                    self._add(w, view)
+        for seq in reversed(fresh):
+            view = comm.colls[seq]
+            if view.completed_at is None:
+                if len(w.open) < MAX_SCAN:
+                    w.open[seq] = None
+            elif view.completed_at >= horizon:
+                self._add(w, view)
+        while w.items and (w.items[0].completed_at < horizon or seq_gone(comm, w.items[0].seq)):
+            old = w.items.popleft()
+            w.late -= any(lag > LAG_FLOOR_S for _, lag in old.late)
+        return w
+
+    def find(self, tl: Timeline, now: float) -> List[Finding]:
+        out = []
+        for comm in list(tl.comms.values()):
+            if comm.completed < MIN_COLLS:
+                continue
+            w = self._window(comm, now)
+            if w.late < MIN_LATE or len(w.items) < MIN_COLLS:
+                continue  # nobody was late often enough for any rank to be comp-slow: the common case
+            window = sorted((v for v in w.items if v.completed_at <= now), key=lambda v: v.seq)
+            f = self._check(tl, comm, window, now)
+            if f is not None:
+                out.append(f)
+        if len(self._windows) > len(tl.comms):
+            self._windows = {c: w for c, w in self._windows.items() if c in tl.comms}
+        return out
+
+    def _check(self, tl: Timeline, comm: Comm, window: List[CollSummary], now: float) -> Optional[Finding]:
+        if len(window) < MIN_COLLS:
+            return None
+        sigma = 1.4826 * float(np.median([s.mad for s in window]))
+        threshold = max(LAG_FLOOR_S, NOISE_Z * sigma)
+        by_op: Dict[str, List[CollSummary]] = collections.defaultdict(list)
+        for s in window:
+            by_op[s.op].append(s)
+        slow: Dict[int, Dict[str, Any]] = {}
+        for op, colls in by_op.items():
+            if len(colls) < MIN_COLLS:
+                continue
+            where = {s.seq: i for i, s in enumerate(colls)}
+            lags: Dict[int, Dict[int, float]] = collections.defaultdict(dict)  # rank -> index -> lag
+            for s in colls:
+                for r, lag in s.late:
+                    if lag > threshold:
+                        lags[r][where[s.seq]] = lag
+            for r, got in lags.items():
+                found = _episode(colls, got)
+                if found is None or (r in slow and slow[r]["waited_fraction"] >= found["waited_fraction"]):
+                    continue
+                slow[r] = dict(found, op=op)
+        if not slow:
+            return None
+        ranks = sorted(slow)
+        members = sorted(tl.expected_members(comm.id))
+        details = []
+        for r in ranks[:EVIDENCE_RANKS]:
+            details.append(dict(rank_evidence(tl, comm, r, now), **slow[r], **_cause(tl, comm, r, members)))
+        worst = max(ranks, key=lambda r: slow[r]["waited_fraction"])
+        op = slow[worst]["op"]
+        shown = "; ".join(f"rank {d['rank']} {_bucket(d['median_lag_s'])} late at {d['op']} ({d['cause']})"
+                          for d in details[:3])
+        evidence = {"reason": "late-arrival", "window_s": WINDOW_S, "collectives": len(window),
+                    "noise_sigma_s": round(sigma, 6), "threshold_s": round(threshold, 6),
+                    "first_late_seq": min(slow[r]["first_late_seq"] for r in ranks),
+                    "ranks": details, "summary": shown + (f" (+{len(ranks) - 3})" if len(ranks) > 3 else ""),
+                    "note": f"the other ranks of {short_comm(comm.id)} wait for "
+                            f"{'these ranks' if len(ranks) > 1 else 'this rank'} at collectives, step after step"}
+        onset = min(slow[r]["first_late_at"] for r in ranks)
+        return Finding(kind="slow", cls="comp-slow", ranks=ranks, comm=comm.id, seq=-1, op=op,
+                       onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
+
+
+def _episode(colls: List[CollSummary], late: Dict[int, float]) -> Optional[Dict[str, Any]]:
+    """The longest newest run of `colls` in which a rank late at indexes `late` (-> lag s) is
+    comp-slow (see the module's rules), as evidence numbers; None when there is none."""
+    if len(late) < MIN_LATE:
+        return None
+    n_all = len(colls)
+    best = None
+    count = 0
+    for n in range(1, n_all + 1):  # suffixes of growing length, newest first
+        if n_all - n in late:
+            count += 1
+        if n >= MIN_COLLS and count >= max(MIN_LATE, LATE_FRACTION * n):
+            best = n
+    if best is None:
+        return None
+    start = n_all - best
+    span = colls[-1].completed_at - colls[start].first_enter
+    if span < MIN_EPISODE_S:
+        return None
+    idx = sorted(i for i in late if i >= start)
+    if colls[idx[-1]].first_enter - colls[idx[0]].first_enter < SPAN_FRACTION * span:
+        return None
+    values = sorted(late[i] for i in idx)
+    cost = sum(values) / span
+    if cost < MIN_COST:
+        return None
+    return {"late_in": len(idx), "of": best, "episode_s": round(span, 3), "waited_fraction": round(cost, 3),
+            "median_lag_s": round(values[len(values) // 2], 6),
+            "p90_lag_s": round(values[min(len(values) - 1, int(0.9 * len(values)))], 6),
+            "max_lag_s": round(values[-1], 6), "first_late_seq": colls[idx[0]].seq,
+            "first_late_at": colls[idx[0]].first_enter + late[idx[0]]}
+
+
+def contended_inside(tl: Timeline, comm_slow: List[Finding], now: float) -> Tuple[List[Finding], List[Finding]]:
+    """comm-slow findings whose cause is one rank's CPU, not the network: arrivals line up, but one
+    rank of the communicator (of the named link or rank, when there is one) waits for a CPU far more
+    than the others, so its communication threads lag and every transfer through it is slow. Those
+    become comp-slow findings naming that rank (reason "cpu-contended-inside", the link evidence
+    kept); returns (those, the comm-slow findings left as they were)."""
+    moved, kept = [], []
+    for f in comm_slow:
+        comm = tl.comms.get(f.comm)
+        if comm is None:
+            kept.append(f)
+            continue
+        members = sorted(tl.expected_members(f.comm))
+        suspects = f.ranks or members
+        shares = {}
+        for r in members[:4096]:
+            rec = tl.rank_record(comm.job, r)
+            if rec is not None and getattr(rec, "runq_share", None) is not None:
+                shares[r] = rec.runq_share
+        top = [r for r in suspects if r in shares]
+        hit = None
+        if len(shares) >= 2 and top:
+            r = max(top, key=lambda q: shares[q])
+            rest = _median([v for q, v in shares.items() if q != r]) or 0.0
+            if shares[r] >= STARVED_RUNQ and shares[r] >= STARVED_VS_OTHERS * rest:
+                hit = (r, rest)
+        if hit is None:
+            kept.append(f)
+            continue
+        r, rest = hit
+        d = dict(rank_evidence(tl, comm, r, now), **_cause(tl, comm, r, members))
+        evidence = {"reason": "cpu-contended-inside", "ranks": [d], "comm_slow": f.evidence, "link": f.link,
+                    "summary": f"rank {r} starved of CPU: its collectives lag",
+                    "note": f"arrivals line up but {f.op} is slow, and rank {r}'s threads wait for a CPU "
+                            f"{shares[r]:.2f} s per s (other ranks {rest:.2f}): its communication threads "
+                            "are starved; the network is not the cause"}
+        moved.append(Finding(kind="slow", cls="comp-slow", ranks=[r], link=None, comm=f.comm, seq=-1, op=f.op,
+                             onset_at=f.onset_at, detected_at=now, evidence=evidence, job=f.job))
+    return moved, kept
+
+
+def explains_comm_slow(comp: Finding, comm_slow: Finding) -> bool:
+    """True when the slow collectives of `comm_slow` (same communicator) are most simply the late
+    ranks of `comp` again: its starved communication threads slow every transfer through it. So:
+    the slow link touches a late rank whose runqueue wait is above the others' (SLOWER_CPU x), or
+    no link stands out and a late rank is CPU-contended. Else it is a mixed slowdown."""
+    def more_runq(d) -> bool:
+        mine, theirs = d.get("runq_share"), d.get("others_runq_share")
+        return mine is not None and theirs is not None and mine >= CONTENDED_RUNQ and mine >= SLOWER_CPU * theirs
+
+    late = [d for d in comp.evidence.get("ranks") or [] if isinstance(d, dict)]
+    if comm_slow.ranks:
+        return any(d["rank"] in comm_slow.ranks and more_runq(d) for d in late)
+    return any(d.get("cause") == "cpu-contended" for d in late)
+
+
+def seq_gone(comm: Comm, seq: int) -> bool:
+    return seq <= comm.evicted_upto
