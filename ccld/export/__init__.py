@@ -90,7 +90,8 @@ def summary_line(s: Dict[str, Any]) -> str:
     n = s["findings"]
     replay = f"; findings {s['replay_s']:.1f} s" if s.get("replay_s") else ""
     return (f"ccld export: {s['out']} ({s['bytes'] / 2**20:.1f} MiB): {s['tracks']} tracks, {s['slices']} slices, "
-            f"{s['flows']} flows, {n} finding{'s' * (n != 1)}; {s['events']} events in {s['seconds']:.1f} s "
+            f"{s['flows']} flows, {s.get('counters', 0)} counter samples, {n} finding{'s' * (n != 1)}; "
+            f"{s['events']} events in {s['seconds']:.1f} s "
             f"({_n(s['events_per_s'])} events/s{replay})")
 
 

@@ -1,11 +1,12 @@
 """Export a store as a Chrome JSON trace (`ccld export --format json`), streamed like the Perfetto one.
 
-The same TraceModel (ccld.export.perfetto) drives both, so the content is the same: a process per
+The same TraceModel (ccld.export.model) drives both, so the content is the same: a process per
 traced rank (pid), a thread per track (`calls`, `worker`, `p2p`, `state`, `findings`, and their
 overlap lanes), pseudo-processes `communicators` and `ccld`; complete slices (ph X), instants (i),
-counters (C), and flows (s, t, f) joining one collective across ranks.
+counters (C: a rank's `link S->D MiB/s`, `RTT ms`, `retrans` and `runqueue wait %`, named so in its
+process; the agents' losses in `ccld`), and flows (s, t, f) joining one collective across ranks.
 Times: "ts"/"dur" are microseconds with three decimals (ns precision), in the collector's Unix
-timebase (see perfetto.TIMEBASE; also written under "otherData").
+timebase (see model.TIMEBASE; also written under "otherData").
 Caveat: Chrome's format has no track hierarchy: child tracks become threads of their group's process.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from ccld.export.perfetto import Track, run_export
+from ccld.export.perfetto import run_export
+from ccld.export.tracks import Track
 
 PSEUDO_PID = 1 << 30  # pids for the `communicators` and `ccld` groups, above any real or shifted pid
 FLUSH_BYTES = 1 << 20  # output is written in ~1 MiB pieces

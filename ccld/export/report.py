@@ -2,29 +2,25 @@
 
 The page holds the job's health summary, every finding with its evidence, an arrival-lag heatmap
 (ranks x the newest collectives of the main communicator: a straggler is a hot row, a hung rank a
-cell in MISSING_COLOUR), each rank's time in collective over time, the link matrix when the
-timeline has one, and how to open the Perfetto trace. Everything is inline: CSS, plots as base64
-PNG `data:` URIs, and a Content-Security-Policy that forbids fetching anything, so the file can be
-mailed and opened offline. Plots are drawn with matplotlib's Agg canvas (no pyplot, no display).
+cell in MISSING_COLOUR), each rank's time in collective over time, the link matrix (MiB and
+retransmissions per rank pair, report_links.py) when network probes ran, and how to open the
+Perfetto trace. Everything is inline: CSS, plots as base64 PNG `data:` URIs, and a
+Content-Security-Policy that forbids fetching anything, so the file can be mailed and opened offline.
+Plots are drawn with matplotlib's Agg canvas (no pyplot, no display).
 Times: Unix seconds from the timeline, shown as UTC and as seconds since the recording began; lags
 and durations in ms. Caveat: the cost is the replay (the whole store, as `ccld diagnose`); drawing is
 bounded by the MAX_* constants below, whatever the store's size.
 """
 from __future__ import annotations
 
-import base64
 import datetime as _dt
-import html
-import io
 import json
-import math
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from matplotlib import colormaps
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import PowerNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -33,6 +29,11 @@ from ccld.collector.timeline import Comm, Timeline
 from ccld.diagnose.findings import STATE_NAMES, Finding, format_line, short_comm
 from ccld.diagnose.replay import format_report, replay
 from ccld.errors import CcldError
+from ccld.export.htmlkit import DPI, esc as _e, img as _img, png as _png, rel as _rel, section as _section
+from ccld.export.htmlkit import table as _table, ticks as _ticks, utc as _utc
+from ccld.export.report_links import link_matrix, links_section as _links_section, runq_table
+
+__all__ = ["link_matrix", "write_report"]  # link_matrix: re-exported, where callers have always found it
 
 MAX_HEATMAP_COLLS = 200   # newest collectives in the heatmap: a pattern shows in tens; keeps cells >= 4 px wide
 MAX_HEATMAP_RANKS = 256   # rows drawn; a bigger job shows the ranks that lag most (culprits always)
@@ -41,7 +42,6 @@ SMOOTH_FROM = 80          # from this many points per rank, a rolling median lin
 MAX_LINE_RANKS = 12       # lines drawn; with more ranks: median and min-max band, plus the outliers
 MAX_FINDINGS_SHOWN = 100  # findings with full evidence; the count of the rest is shown
 MAX_RANK_ROWS = 64        # rows of the rank table (culprits first)
-DPI = 100                 # figure inches x DPI = exact pixel sizes (the tests check them)
 HEAT_W = 1000             # heatmap width, px
 HEAT_MARGINS = (70, 130, 44, 46)  # left, right, top, bottom px around the heatmap's cells
 MISSING_COLOUR = "#2b59c3"  # "never entered": a blue, far from every lag colour of YlOrRd
@@ -81,7 +81,7 @@ def write_report(store_dir: str, out_html: str, progress: Progress = None, comm:
     else:
         sections.append(_section("arrival", "Arrival lag", "<p class=muted>No collectives in this store.</p>"))
     say("drawing the link matrix")
-    links = _links_section(tl)
+    links = _links_section(tl, findings)
     summary["links"] = "<img" in links
     sections.append(links)
     sections.append(_perfetto_section(report.get("store") or store_dir))
@@ -168,13 +168,6 @@ def _pick_rows(ranks: List[int], lag: np.ndarray, keep: Sequence[int], most: int
 
 # ---- plots --------------------------------------------------------------------------------------
 
-def _png(fig: Figure) -> str:
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=DPI)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 def _heatmap(tl: Timeline, comm: Comm, findings: Sequence[Finding], last: int) -> Optional[Dict[str, Any]]:
     ranks, seqs, lag = _lag_matrix(tl, comm, last)
     if not ranks or not seqs:
@@ -221,12 +214,6 @@ def _heatmap(tl: Timeline, comm: Comm, findings: Sequence[Finding], last: int) -
     box = [left, top, left + plot_w, top + plot_h]  # cells' area in image pixels, from the top-left
     return dict(png=_png(fig), width=width, height=height, ranks=ranks, seqs=seqs, box=box,
                 missing=int(np.isnan(lag).sum()), vmax=vmax, culprits=culprits)
-
-
-def _ticks(n: int, most: int, always: Sequence[int]) -> List[int]:
-    """Up to about `most` evenly spaced indexes of n (first and last included), plus `always`."""
-    step = max(1, math.ceil(n / most))
-    return sorted(set(range(0, n, step)) | {n - 1} | set(always))
 
 
 def _durations(tl: Timeline, comm: Comm, findings: Sequence[Finding],
@@ -320,35 +307,6 @@ def _band(ax, seqs: Sequence[int], comm: Comm, base: float) -> None:
 
 # ---- HTML ---------------------------------------------------------------------------------------
 
-def _e(x: Any) -> str:
-    return html.escape("" if x is None else str(x), quote=True)
-
-
-def _utc(t: Optional[float]) -> str:
-    if t is None:
-        return "-"
-    return _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
-
-
-def _rel(t: Optional[float], t0: Optional[float]) -> str:
-    return "" if t is None or t0 is None else f" (+{t - t0:.2f} s)"
-
-
-def _section(anchor: str, title: str, body: str) -> str:
-    return f'<section id="{anchor}"><h2>{_e(title)}</h2>\n{body}\n</section>'
-
-
-def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], cls: str = "") -> str:
-    th = "".join(f"<th>{_e(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{cls}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
-
-
-def _img(png: str, width: int, height: int, alt: str, extra: str = "") -> str:
-    return (f'<img src="data:image/png;base64,{png}" width="{width}" height="{height}" alt="{_e(alt)}"'
-            f"{extra}>")
-
-
 def _health(tl: Timeline, report: Dict[str, Any], findings: List[Finding], active: List[Finding],
             main: Optional[Comm], summary: Dict[str, Any]) -> str:
     if active:
@@ -376,7 +334,8 @@ def _health(tl: Timeline, report: Dict[str, Any], findings: List[Finding], activ
             f'<div class="grid">{grid}</div><h3>Losses and damage</h3>{loss_html}'
             "<h3>Communicators</h3>"
             + _table(["comm", "backend", "members", "highest seq", "completed", "in window", ""], comms)
-            + "<h3>Ranks at the end of the recording</h3>" + _ranks_table(tl, active))
+            + "<h3>Ranks at the end of the recording</h3>" + _ranks_table(tl, active)
+            + runq_table(tl, first))
     return _section("health", "Health", body)
 
 
@@ -409,7 +368,8 @@ def _findings_section(findings: List[Finding], recovered: Dict[str, Any], t0: Op
         status = (f'<span class="badge warn">recovered {_e(_utc(rec_at))}</span>' if f.id in recovered
                   else '<span class="badge bad">active</span>')
         fields = [("kind / class", f"{f.kind} / {f.cls}" + (f" ({ev['reason']})" if ev.get("reason") else "")),
-                  ("culprit ranks", ", ".join(map(str, f.ranks))), ("communicator", f.comm),
+                  ("culprit ranks", ", ".join(map(str, f.ranks))),
+                  ("link", f"{f.link[0]} <-> {f.link[1]}" if f.link else "-"), ("communicator", f.comm),
                   ("seq", f.seq), ("op", f.op), ("onset", _utc(f.onset_at) + _rel(f.onset_at, t0)),
                   ("detected", _utc(f.detected_at) + _rel(f.detected_at, t0)),
                   ("time to detect", f"{f.detected_at - f.onset_at:.2f} s"),
@@ -468,63 +428,11 @@ def _durations_section(d: Optional[Dict[str, Any]], comm: Comm) -> str:
                     f"lifts everyone's line together.{note}</p>{img}")
 
 
-def link_matrix(links: Any) -> Optional[Tuple[List[int], np.ndarray]]:
-    """(ranks, matrix) from a timeline's `links`: {(src, dst): value}, {src: {dst: value}}, or a
-    square sequence of rows (rank i = row i). None when empty or not one of these shapes."""
-    if not links:
-        return None
-    pairs: Dict[Tuple[int, int], float] = {}
-    try:
-        if isinstance(links, dict):
-            for k, v in links.items():
-                if isinstance(k, tuple) and len(k) == 2:
-                    pairs[(int(k[0]), int(k[1]))] = float(v)
-                elif isinstance(v, dict):
-                    pairs.update({(int(k), int(d)): float(x) for d, x in v.items()})
-                else:
-                    return None
-        else:
-            m = np.asarray(links, dtype=float)
-            if m.ndim != 2 or m.shape[0] != m.shape[1]:
-                return None
-            return list(range(m.shape[0])), m
-    except (TypeError, ValueError):
-        return None
-    ranks = sorted({r for p in pairs for r in p})[:MAX_HEATMAP_RANKS]
-    idx = {r: i for i, r in enumerate(ranks)}
-    m = np.full((len(ranks), len(ranks)), np.nan)
-    for (a, b), v in pairs.items():
-        if a in idx and b in idx:
-            m[idx[a], idx[b]] = v
-    return ranks, m
-
-
-def _links_section(tl: Timeline) -> str:
-    got = link_matrix(getattr(tl, "links", None))
-    if got is None:
-        return _section("links", "Link matrix",
-                        '<p class="muted">no link data in this store (network probes not enabled)</p>')
-    ranks, m = got
-    side = max(300, min(800, 40 + 14 * len(ranks)))
-    fig = Figure(figsize=((side + 160) / DPI, (side + 60) / DPI), dpi=DPI)
-    ax = fig.add_axes((60 / (side + 160), 40 / (side + 60), side / (side + 160), (side - 20) / (side + 60)))
-    im = ax.imshow(np.ma.masked_invalid(m), cmap=colormaps["viridis"].with_extremes(bad="#dddddd"),
-                   aspect="auto", interpolation="nearest")
-    ticks = _ticks(len(ranks), 24, [])
-    ax.set_xticks(ticks, [str(ranks[i]) for i in ticks])
-    ax.set_yticks(ticks, [str(ranks[i]) for i in ticks])
-    ax.set_xlabel("to rank")
-    ax.set_ylabel("from rank")
-    ax.tick_params(labelsize=8)
-    fig.colorbar(im, ax=ax, fraction=0.05, pad=0.02).set_label(getattr(tl, "links_unit", "") or "value")
-    img = _img(_png(fig), side + 160, side + 60, "link matrix", ' id="links"')
-    return _section("links", "Link matrix", f"<p>{len(ranks)} ranks; grey: no traffic seen.</p>{img}")
-
-
 def _perfetto_section(store: str) -> str:
     return _section("perfetto", "Open the Perfetto trace",
                     "<p>Every rank's collectives on its own track, with flows joining one collective across "
-                    "ranks and markers for the findings:</p>"
+                    "ranks, markers for the findings, and counters for each rank's links (MiB/s, RTT, "
+                    "retransmissions per peer) and runqueue wait:</p>"
                     f"<pre>ccld export {_e(store)} --perfetto out.pftrace</pre>"
                     f'<p>then open <a href="{PERFETTO_UI}">{PERFETTO_UI}</a> and drag <code>out.pftrace</code> '
                     "into the page (the trace stays on your machine: the UI loads it locally).</p>")
@@ -551,6 +459,7 @@ b.bad{color:#c0392b}.muted{color:#5b6473}.loss li{color:#8e4a00}
 .finding{border-left:4px solid #c0392b;padding-left:12px;margin:10px 0 16px}
 .sw{display:inline-block;width:11px;height:11px;background:%s;vertical-align:middle}
 img{max-width:100%%;height:auto;display:block;margin:8px 0}
+.pair{display:flex;flex-wrap:wrap;gap:0 16px}
 footer{color:#5b6473;font-size:12px;margin-top:20px}
 """ % MISSING_COLOUR
 

@@ -1,0 +1,205 @@
+"""Collectives in the trace: a slice per rank (enter -> end), a worker slice (start -> end), one
+communicator-track slice, and one flow joining the ranks of each (communicator, seq) in arrival order.
+
+The model's input loop opens an entry in `open` at CollEnter, stamps WorkStart into it, and calls
+`ended` at WorkEnd. A collective's slices wait in `groups` until every expected rank has ended, so
+that the flow is written in arrival order and the last rank to arrive terminates it.
+Times: Unix ns (collector timebase). Bounds: MAX_OPEN open collectives (the oldest is closed as
+unfinished beyond it), MAX_GROUPS waiting groups and GROUP_WAIT_S of recorded time (written without
+the missing ranks), MAX_LATE_FLOWS partially written flows a late rank may still join.
+Caveat: a rank's slice is written when its collective ends, so one that never ends (a hang) is drawn
+to the end of the recording, marked `unfinished`.
+"""
+from __future__ import annotations
+
+import collections
+import operator
+import struct
+from typing import TYPE_CHECKING, Any, Dict, Tuple
+
+from ccld.export.tracks import Lanes, Proc
+
+if TYPE_CHECKING:
+    from ccld.export.model import TraceModel
+
+MAX_OPEN = 100_000        # collectives entered but not ended, all ranks together (a job has a few per rank)
+MAX_GROUPS = 50_000       # collectives ended on some ranks, waiting for the others (for their flow)
+GROUP_WAIT_S = 60.0       # ... at most this long in recorded time; then written without the missing ranks
+MAX_LATE_FLOWS = 20_000   # collectives written partially, remembered so a late rank joins the same flow
+_BEGIN = operator.itemgetter(0)
+_SINK_ERRORS = (TypeError, ValueError, AttributeError, OverflowError, struct.error)
+
+
+class Collectives:
+    def __init__(self, model: "TraceModel"):
+        self.m = model
+        self.worlds: Dict[str, int] = {}
+        self.comm_size: Dict[str, int] = {}
+        self.comm_job: Dict[str, str] = {}
+        self.comm_backend: Dict[str, str] = {}
+        self.comm_members: Dict[str, set] = {}
+        self.expected: Dict[str, int] = {}        # comm -> ranks expected in each collective (cache)
+        # (proc, comm, seq) -> [enter ts, op, count, dtype, nbytes, start ts or 0]
+        self.open: Dict[Tuple[Proc, str, int], list] = {}
+        self.groups: "collections.OrderedDict[Tuple[str, int], list]" = collections.OrderedDict()
+        self.late_flows: "collections.OrderedDict[Tuple[str, int], int]" = collections.OrderedDict()
+        self.comm_lanes: Dict[str, Lanes] = {}
+        self.next_flow = 1
+
+    # -- facts about jobs and communicators (from rare events)
+
+    def note_world(self, job: str, world: int) -> None:
+        if world > 0:
+            self.worlds[job] = max(self.worlds.get(job, 0), world)
+            self.expected.clear()
+
+    def note_comm(self, comm: str, backend: str, group_size: Any, rank: int, job: str) -> None:
+        self.comm_backend.setdefault(comm, backend)
+        if type(group_size) is int and group_size > 0:
+            self.comm_size[comm] = group_size
+        self.comm_members.setdefault(comm, set()).add(rank)
+        if job:
+            self.comm_job.setdefault(comm, job)
+        self.expected.pop(comm, None)
+
+    def _expected(self, comm: str) -> int:
+        """How many (selected) ranks take part in each collective of `comm`; 0 when unknown."""
+        ranks = self.m.ranks
+        gs = self.comm_size.get(comm, -1)
+        world = self.worlds.get(self.comm_job.get(comm, ""), -1)
+        if world > 0 and (gs < 0 or gs == world):
+            n = world if ranks is None else len(ranks & frozenset(range(world)))
+        elif gs > 0:
+            n = gs if ranks is None else len(ranks & self.comm_members.get(comm, set()))
+        else:
+            n = 0
+        self.expected[comm] = n
+        return n
+
+    def _comm_lanes(self, comm: str) -> Lanes:
+        lanes = self.comm_lanes.get(comm)
+        if lanes is None:
+            m = self.m
+            if m.root_comms is None:
+                m.root_comms = m.new_track(None, "communicators", child_order=1, description=
+                                           "one track per communicator: each collective from "
+                                           "its first rank's enter to its last rank's end")
+            backend = self.comm_backend.get(comm, "")
+            lanes = self.comm_lanes[comm] = Lanes(m, m.root_comms, comm + (f" ({backend})" if backend else ""), 0)
+        return lanes
+
+    # -- one rank's collective ended
+
+    def ended(self, p: Proc, comm: str, seq: int, o: list, end: int, ok: Any, error: Any,
+              unfinished: bool) -> None:
+        m = self.m
+        begin = o[0]
+        if end < begin:
+            end = begin  # a wall-clock step between enter and end; never draw a negative slice
+        if p.track is None:
+            m.proc_track(p)
+        if o[5] and end >= m.t_from and o[5] <= m.t_to:
+            start = o[5]
+            start = begin if start < begin else end if start > end else start
+            t = p.worker.pick(start, end)
+            if not t.declared:
+                m.declare(t)
+            try:
+                m.sink.work(t, start, end, o[1], seq, comm, unfinished)
+                m.stats["slices"] += 1
+            except _SINK_ERRORS:
+                m.stats["bad_events"] += 1
+        gk = (comm, seq)
+        groups = self.groups
+        g = groups.get(gk)
+        if g is None:
+            g = groups[gk] = [m.max_ts, []]
+            if comm not in self.comm_job and p.job:
+                self.comm_job[comm] = p.job
+        items = g[1]
+        items.append((begin, end, p, o, ok, error, unfinished))
+        want = self.expected.get(comm)
+        if want is None:
+            want = self._expected(comm)
+        if want and len(items) >= want:
+            del groups[gk]
+            self.flush_group(gk, items, True)
+        elif len(groups) > MAX_GROUPS:
+            k, old = groups.popitem(last=False)
+            self.flush_group(k, old[1], False)
+
+    def flush_group(self, gk: Tuple[str, int], items: list, complete: bool) -> None:
+        """Write one collective's slices, in arrival order, joined by one flow."""
+        m = self.m
+        items.sort(key=_BEGIN)
+        if m.windowed:
+            t_from, t_to = m.t_from, m.t_to
+            items = [it for it in items if it[1] >= t_from and it[0] <= t_to]
+            if not items:
+                return
+        comm, seq = gk
+        fid = self.late_flows.pop(gk, 0) if self.late_flows else 0
+        late = fid != 0
+        n = len(items)
+        if not fid and (n > 1 or not complete):
+            fid = self.next_flow
+            self.next_flow += 1
+            m.stats["flows"] += 1
+        if not complete and fid:
+            self.late_flows[gk] = fid
+            if len(self.late_flows) > MAX_LATE_FLOWS:
+                self.late_flows.popitem(last=False)
+        # flow roles: s starts it, t continues, f (terminating) on the last rank to arrive
+        roles = (["t"] * n if late else ["s"] + ["t"] * (n - 1)) if fid else [0] * n
+        if complete and fid and (n > 1 or late):
+            roles[-1] = "f"
+        coll = m.sink.coll
+        end = written = 0
+        for (b, e, p, o, ok, error, unfinished), role in zip(items, roles):
+            if e > end:
+                end = e
+            if p.track is None:
+                m.proc_track(p)
+            t = p.calls.pick(b, e)
+            if not t.declared:
+                m.declare(t)
+            try:
+                coll(t, b, e, o[1], seq, comm, o[2], o[3], o[4], ok, error, unfinished, fid, role)
+                written += 1
+            except _SINK_ERRORS:
+                m.stats["bad_events"] += 1
+        m.stats["slices"] += written
+        first, last = items[0], items[-1]
+        args = [("seq", seq), ("comm", comm), ("ranks", n), ("first_rank", first[2].rank),
+                ("last_rank", last[2].rank), ("arrival_spread_us", (last[0] - first[0]) // 1000)]
+        if not complete:
+            args.append(("partial", True))
+        unfinished = sum(1 for it in items if it[6])
+        if unfinished:
+            args.append(("unfinished", unfinished))
+        m.slice(self._comm_lanes(comm).pick(first[0], end), first[0], end, first[3][1], args)
+
+    def evict_open(self, now: int) -> None:
+        key = next(iter(self.open))
+        o = self.open.pop(key)
+        self.m.anomalies["open-evicted"] += 1  # over MAX_OPEN: its end was lost, or it is a very long wait
+        self.ended(key[0], key[1], key[2], o, now, False, "no end seen (over MAX_OPEN open collectives)", True)
+
+    def flush_waiting(self, horizon: int) -> None:
+        """Write the groups that waited since before `horizon` without their missing ranks."""
+        groups = self.groups
+        while groups:
+            gk = next(iter(groups))
+            if groups[gk][0] > horizon:
+                break
+            self.flush_group(gk, groups.pop(gk)[1], False)
+
+    def finish(self, end: int) -> None:
+        """End of the store: what is open is drawn up to `end`; every waiting group is written."""
+        while self.open:
+            key, o = self.open.popitem()
+            self.ended(key[0], key[1], key[2], o, end, False, "no end seen before the recording stopped", True)
+        for gk in list(self.groups):
+            items = self.groups.pop(gk)[1]
+            self.flush_group(gk, items, len(items) >= (self.expected.get(gk[0]) or self._expected(gk[0]) or
+                                                      1 << 30))

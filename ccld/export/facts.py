@@ -1,0 +1,89 @@
+"""Every event kind but the per-collective ones, as the model's input loop meets them: process and
+communicator facts (rank, comm), p2p calls, /proc states and exits, the agents' loss counters, and the
+network layer's link and scheduler counters (handed to netcounters.NetCounters).
+
+Times: each event's ts_ns plus its agent's clock offset `off` = Unix ns (model.TIMEBASE). A kind newer
+than this exporter is counted (stats skipped_events); a malformed event raises KeyError/TypeError,
+which the input loop counts as a bad event.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict
+
+from ccld.export.tracks import Proc
+
+if TYPE_CHECKING:
+    from ccld.export.model import TraceModel
+
+ABNORMAL_STATES = {"T": "stopped", "t": "tracing stop", "Z": "zombie", "X": "dead", "D": "disk sleep"}
+RARE_KINDS = frozenset(("rank", "comm", "p2p", "proc", "rank_exit", "loss", "hello", "probe", "link", "sched"))
+
+
+def rare(m: "TraceModel", agent: str, node: str, procs: Dict[int, Proc], k: str, e: dict, off: int) -> None:
+    """Everything but the per-collective events: process and communicator facts, p2p, losses,
+    link and scheduler counters."""
+    if k not in RARE_KINDS:
+        if type(k) is not str:
+            raise TypeError("event kind")
+        m.stats["skipped_events"] += 1  # a kind newer than this exporter
+        return
+    ts = e["ts_ns"]
+    if type(ts) is not int:
+        raise TypeError("ts_ns")
+    ts += off
+    if ts > m.max_ts:
+        m.max_ts = ts
+    if k == "link":
+        p = procs.get(e["pid"]) or m.new_proc(node, e["pid"], e["rank"])
+        m.net.on_link(node, p, e, ts)
+    elif k == "sched":
+        p = procs.get(e["pid"]) or m.new_proc(node, e["pid"], e["rank"])
+        if not p.skip:
+            m.net.on_sched(p, e, ts)
+    elif k == "rank":
+        pid, rank = e["pid"], e["rank"]
+        p = procs.get(pid)
+        if p is None:
+            p = m.new_proc(node, pid, rank)
+        elif p.rank != rank and p.track is None:
+            p.rank, p.skip = rank, m.ranks is not None and rank not in m.ranks
+        job, world = e["job"], e["world_size"]
+        if p.job != job or p.world != world:
+            p.job, p.world = job, world
+            m.colls.note_world(job, world)
+            lst = m.by_rank.setdefault((job, rank), [])
+            if not any(q is p for _, q in lst):
+                lst.append((ts, p))
+    elif k == "comm":
+        p = procs.get(e["pid"])
+        m.colls.note_comm(e["comm"], e.get("backend", ""), e["group_size"], e["rank"],
+                             p.job if p is not None else "")
+    elif k == "p2p":
+        p = procs.get(e["pid"]) or m.new_proc(node, e["pid"], e["rank"])
+        if not p.skip and m.t_from <= ts <= m.t_to:
+            args = [("peer", e["peer"]), ("comm", e["comm"]), ("tag", e.get("tag", 0))]
+            if e.get("count", -1) >= 0:
+                args.append(("count", e["count"]))
+            if e.get("dtype"):
+                args.append(("dtype", e["dtype"]))
+            m.later(ts, m.instant_track(p, "p2p", "p2p", 300), "i", f"{e['op']} {e['peer']}", args)
+    elif k == "proc":
+        p = procs.get(e["pid"])
+        if p is None or p.skip:
+            return
+        letter = e["state"]
+        was, now = ABNORMAL_STATES.get(p.state_letter), ABNORMAL_STATES.get(letter)
+        if (was or now) and was != now and m.t_from <= ts <= m.t_to:
+            name = f"state {letter} ({now})" if now else f"state {letter} (back from {p.state_letter})"
+            m.later(ts, m.instant_track(p, "state", "state", 400), "i", name,
+                       [("state", letter), ("wchan", e.get("wchan", ""))])
+        p.state_letter = letter
+    elif k == "rank_exit":
+        p = procs.get(e["pid"])
+        if p is not None and not p.skip and m.t_from <= ts <= m.t_to:
+            m.later(ts, m.instant_track(p, "state", "state", 400), "i",
+                       f"exit ({e.get('reason', 'exited')})", [])
+    elif k == "loss":
+        for name, value in sorted(e["counters"].items()):
+            m.counter(agent, str(name), ts, value)
+    # hello, probe: who is sending and what is attached; for `ccld diagnose`, not for a timeline
