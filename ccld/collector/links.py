@@ -202,15 +202,16 @@ class LinkTable:
     # ---- questions ------------------------------------------------------------------------------
 
     def peer_of(self, c: Conn) -> Tuple[str, Optional[int]]:
-        """("rank", r) | ("store", None) | ("external", None): who is at the far end of `c`."""
+        """("rank", r) | ("store", None) | ("external", None): who is at the far end of `c`. The store
+        comes first: rank 0 hosts it, so both ends of a store connection are ranks of the job."""
+        store = self.job_store.get(c.job)
+        if store is not None and store[1] in (c.dport, c.sport):
+            return "store", None
         far = self.endpoints.get((_scope(c.node, c.daddr), c.daddr, c.dport))
         if far is not None:
             other = self.conns.get(far)
             if other is not None and other.job == c.job and other.rank >= 0 and (other.node, other.pid) != (c.node, c.pid):
                 return "rank", other.rank
-        store = self.job_store.get(c.job)
-        if store is not None and store[1] in (c.dport, c.sport):
-            return "store", None
         return "external", None
 
     def peer_rank(self, c: Conn) -> Optional[int]:

@@ -42,6 +42,7 @@ BULK_SHARE = 0.1           # pairs carrying at least this share of the busiest p
                            # delayed ACKs (up to 40 ms) in its RTT, which says nothing about the link
 MIN_BASELINE = 20          # ... and before it, to know what normal is
 SLOW_FACTOR = 3.0          # recent median duration / baseline duration that counts as slow
+UNNAMED_FACTOR = 10.0      # ... and when no link or rank stands out, this much slower
 MIN_EXTRA_S = 0.010        # and at least this much slower in absolute terms (sub-ms noise is not a finding)
 RTT_OUTLIER = 4.0          # a pair's mean RTT over the window / the median of the job's pairs
 MIN_RTT_US = 1000          # ... and at least 1 ms: loopback and veth RTTs of 20-60 us vary by 2-3x
@@ -165,6 +166,23 @@ def _baselines(comm: Comm, newest: Dict[str, List[CollView]]) -> Dict[str, Tuple
     return out
 
 
+def _any_slow(comm: Comm, st: _CommState) -> bool:
+    """Whether one of the newest RECENT_N completed collectives took SLOW_FACTOR x its op's baseline:
+    a cheap screen that spares most communicators the full test on most ticks. A heavy tail whose
+    stalls all fell before them is caught a tick or two later."""
+    n = 0
+    for v in reversed(comm.colls.values()):
+        if v.completed_at is None or not v.enter:
+            continue
+        base = st.base.get(v.op)
+        if base is None or _duration(v) >= SLOW_FACTOR * base[0]:
+            return True
+        n += 1
+        if n >= RECENT_N:
+            return False
+    return False
+
+
 def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, List[CollView], float, str, float]]:
     """(op, its recent collectives, its baseline duration, test, level) for every op of `comm` that got slow.
 
@@ -174,6 +192,8 @@ def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, List[Co
     if comm.completed == st.completed_seen and not st.slow:
         return []
     st.completed_seen = comm.completed
+    if st.base and not st.slow and comm.completed - st.base_at < BASELINE_EVERY and not _any_slow(comm, st):
+        return []  # the last few collectives all ran at their baseline: nothing to judge this tick
     newest = _newest(comm, now)
     if comm.completed - st.base_at >= BASELINE_EVERY or not st.base:
         st.base, st.base_at = _baselines(comm, newest), comm.completed
@@ -247,9 +267,10 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
                 if got is not None:
                     suspects, named, localised_by = cand, got, how
                     break
-            # Without a culprit, only a slowdown that fills the whole window (the tail test) counts:
-            # the last few collectives after a link recovers are slow too, and say nothing new.
-            if named is not None or stat == "tail":
+            # Without a culprit, only a large slowdown that fills the whole window (the tail test)
+            # counts: the last few collectives after a link recovers are slow too, and a loaded host
+            # makes every collective 2-4x slower now and then, which names nothing and helps no one.
+            if named is not None or (stat == "tail" and level >= UNNAMED_FACTOR * base):
                 break
         else:
             continue

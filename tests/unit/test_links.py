@@ -43,6 +43,12 @@ def test_store_and_outside_connections_are_labelled_as_such():
     job.feed(tl, t)
     labels = {r["remote"]: r["label"] for r in tl.links.table()}
     assert labels == {"10.9.0.1:29500": "store", "93.184.216.34:443": "external"}
+    # Rank 0 hosts the store: its side of that connection is a rank's known endpoint, and still "store".
+    a0 = job.agent_of[0]
+    a0.pending.append(link_event(job.pid[0], 0, rank_ip(0), 29500, rank_ip(1), 41000, a0.mono(t + 1), rx_bytes=10))
+    job.feed(tl, t + 1)
+    assert {r["local"]: r["label"] for r in tl.links.table() if r["rank"] in (0, 1)}[f"{rank_ip(0)}:29500"] == "store"
+    assert all(r["label"] != "rank 1 -> rank 0" for r in tl.links.table())
 
 
 def test_loopback_endpoints_do_not_join_across_nodes():
