@@ -6,7 +6,7 @@ VENV := .venv
 # in a required tier fails the run (see tests/conftest.py).
 REQUIRE := $(shell [ "$$(id -u)" = 0 ] && echo unit,bpf,e2e || echo unit)
 
-.PHONY: setup demo test test-unit clean
+.PHONY: setup demo test test-unit bench bench-long clean
 
 setup: $(VENV)/.ccld-ready
 
@@ -22,6 +22,25 @@ test: setup
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest -m unit -q tests
+
+# A few minutes: each benchmark in a short form, results written to bench/RESULTS.md (as root).
+bench: setup
+	$(VENV)/bin/python bench/probe_cost.py --rounds 3 --write-results
+	$(VENV)/bin/python bench/overhead.py --windows 2 --window-s 10 --configs "gloo;net,sched;all" --write-results
+	$(VENV)/bin/python bench/collector_scale.py --ranks 1024,4096 --seconds 10 --write-results
+	$(VENV)/bin/python bench/accuracy.py --tick-only --write-results
+
+# The big runs (about an hour): every benchmark at full size.
+bench-long: setup
+	$(VENV)/bin/python bench/probe_cost.py --write-results
+	$(VENV)/bin/python bench/overhead.py --configs "gloo;net,sched;all" --write-results
+	$(VENV)/bin/python bench/collector_scale.py --write-results
+	$(VENV)/bin/python bench/accuracy.py --write-results
+	$(VENV)/bin/python bench/store_bench.py --write-results
+	$(VENV)/bin/python bench/export_bench.py --write-results
+	$(VENV)/bin/python bench/fuzz_collector.py
+	$(VENV)/bin/python bench/flood_collector.py
+	$(VENV)/bin/python bench/clock_align.py --write-results
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -17,6 +17,10 @@ EPILOG = """examples:
   ccld links runs/today                                 which rank pair every TCP connection joins
   ccld export runs/today --perfetto today.pftrace       a trace to open in ui.perfetto.dev
   ccld report runs/today -o report.html                 one HTML page: findings, heatmaps, plots
+  ccld collector --metrics 127.0.0.1:9555               also serve Prometheus /metrics (and /snapshot)
+  ccld top 127.0.0.1:9555                               live view of that collector: ranks, links, findings
+  ccld diagnose --flight-recorder /tmp/fr               findings from PyTorch Flight Recorder dumps
+  ccld export runs/today --failure-trace failures.csv   one record per finding, for schedulers and simulators
   ccld keys /etc/ccld collector                         key pair for CurveZMQ (listening beyond loopback)
   ccld demo --fault hang                                a 4-rank CPU job with one rank that hangs
 """
@@ -43,10 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--findings", metavar="FILE.jsonl", help="append findings here, one JSON object a line")
     c.add_argument("--perfetto", metavar="FILE", help="at exit, write the store as a Perfetto trace (.json: "
                    "Chrome JSON); without --store a temporary store is used and removed")
-    c.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics (not built yet)")
+    c.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at /metrics and a JSON "
+                   "snapshot for `ccld top` at /snapshot (read-only, unauthenticated; port 0: any free port)")
     c.add_argument("--curve-key", metavar="FILE.key_secret",
                    help="CurveZMQ: this collector's secret key (needed to listen beyond loopback)")
     c.add_argument("--allow-keys", metavar="DIR", help="CurveZMQ: directory of allowed agents' *.key files")
+    c.add_argument("--time-listen", default="auto", metavar="tcp://HOST:PORT|off",
+                   help="time service for the agents' clock sync (default: the --listen port + 1)")
     detector_flags(c)
 
     a = sub.add_parser("agent", help="trace the ranks on this node and ship events to a collector")
@@ -59,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="probe families to load, comma-separated (default all: gloo,nccl,net,sched,rdma)")
     a.add_argument("--curve-key", metavar="FILE.key_secret", help="CurveZMQ: this agent's secret key")
     a.add_argument("--collector-key", metavar="FILE.key", help="CurveZMQ: the collector's public key")
+    a.add_argument("--time-service", metavar="tcp://HOST:PORT|off",
+                   help="the collector's time service for clock sync (default: the collector's port + 1; "
+                        "off: convert with this node's wall clock)")
+    a.add_argument("--node", metavar="NAME", help="this node's name in the trace (default: the host name)")
     a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)  # print programs + cflags, exit
 
     r = sub.add_parser("run", help="run a command and trace every rank it starts")
@@ -68,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--perfetto", metavar="FILE", help="at exit, write a Perfetto trace of the run (.json: "
                    "Chrome JSON)")
     r.add_argument("--no-bpf", action="store_true", help="use /proc only, no eBPF probes")
+    r.add_argument("--metrics", metavar="HOST:PORT", help="the collector also serves /metrics and /snapshot here")
     detector_flags(r)
     r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
 
@@ -75,8 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("dir", metavar="DIR")
     k.add_argument("name", metavar="NAME", help="e.g. collector, or the agent's node name")
 
-    d = sub.add_parser("diagnose", help="replay a store through the detectors")
-    d.add_argument("store", metavar="STORE_DIR")
+    d = sub.add_parser("diagnose", help="replay a store through the detectors (or read Flight Recorder dumps)")
+    d.add_argument("store", metavar="STORE_DIR", nargs="?")
+    d.add_argument("--flight-recorder", metavar="DIR", help="instead of a store: PyTorch Flight Recorder dumps "
+                   "(one file per rank, pickle or JSON, NCCL or gloo)")
+    d.add_argument("--fr-prefix", metavar="PREFIX", help="dump file names are PREFIX<rank> (default: guessed)")
     d.add_argument("--json", action="store_true", help="print findings as JSON lines")
     detector_flags(d)
 
@@ -89,7 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Write a store as a trace for ui.perfetto.dev: a track per rank, a slice "
                        "per collective, flows joining one collective across ranks, findings as markers.")
     x.add_argument("store", metavar="STORE_DIR")
-    x.add_argument("--perfetto", required=True, metavar="OUT.pftrace", help="the trace file to write")
+    x.add_argument("--perfetto", metavar="OUT.pftrace", help="the trace file to write")
+    x.add_argument("--failure-trace", metavar="OUT.csv|OUT.jsonl", help="instead: one record per finding "
+                   "(time, duration, class, ranks, nodes, job; docs/failure-trace.md)")
     x.add_argument("--format", choices=["perfetto", "json"],
                    help="perfetto (protobuf, default) or json (Chrome JSON; the default for OUT.json)")
     x.add_argument("--from", dest="t_from", type=float, metavar="S",
@@ -109,6 +126,12 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--last", type=int, default=200, metavar="N",
                     help="collectives in the arrival heatmap, newest first (default 200)")
     detector_flags(rp)
+
+    t = sub.add_parser("top", help="live view of a running collector (its --metrics address)")
+    t.add_argument("addr", nargs="?", default="127.0.0.1:9555", metavar="HOST:PORT",
+                   help="the collector's --metrics address (default 127.0.0.1:9555)")
+    t.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh period (default 1 s)")
+    t.add_argument("--once", action="store_true", help="print one screen to stdout and exit")
 
     m = sub.add_parser("demo", help="a 4-rank gloo job on the CPU with an injected fault, traced")
     m.add_argument("--fault", default="hang", choices=["hang", "stop", "none"],

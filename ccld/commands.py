@@ -24,15 +24,13 @@ def _wait_for_signal() -> None:
 
 def cmd_collector(args) -> int:
     from ccld.collector.server import Collector
-    if args.metrics:
-        _say("ccld: note: --metrics is not built yet; ignored")
     keys = _server_keys(args)
     store, tmp_store = args.store, None
     if args.perfetto and not store:  # the trace is made from a store: keep a temporary one for it
         import tempfile
         store = tmp_store = tempfile.mkdtemp(prefix="ccld-store-")
     c = Collector(listen=args.listen, store_dir=store, findings_path=args.findings, on_line=_say,
-                  floor_s=args.hang_after, keys=keys)
+                  floor_s=args.hang_after, keys=keys, time_listen=args.time_listen)
     try:
         c.start()
     except BaseException:
@@ -40,12 +38,18 @@ def cmd_collector(args) -> int:
             import shutil
             shutil.rmtree(tmp_store, ignore_errors=True)
         raise
-    _say(f"ccld collector: listening on {c.endpoint}" + (f", store {args.store}" if args.store else "")
+    metrics = _serve_metrics(c, args.metrics)
+    _say(f"ccld collector: listening on {c.endpoint}"
+         + (f", time service {c.time_service.endpoint}" if c.time_service else "")
+         + (f", store {args.store}" if args.store else "")
          + (f", findings {args.findings}" if args.findings else "")
+         + (f", metrics {metrics.url}/metrics" if metrics else "")
          + (f", trace {args.perfetto} at exit" if args.perfetto else "") + ". Ctrl-C to end")
     try:
         _wait_for_signal()
     finally:
+        if metrics:
+            metrics.stop()
         c.stop()
         if args.perfetto:
             from ccld.export import export_at_stop
@@ -70,7 +74,7 @@ def cmd_agent(args) -> int:
             raise CcldError(f"no permission to trace pid {pid}: run ccld as root (or the process's owner "
                             "with CAP_SYS_PTRACE)") from None
     agent = Agent(args.collector, pids=args.pid, discover_all=args.discover, use_bpf=not args.no_bpf, say=_say,
-                  keys=_client_keys(args), probes=probes)
+                  keys=_client_keys(args), probes=probes, node=args.node, time_service=args.time_service)
     agent.load()
     agent.start()
     what = f"pid {', '.join(map(str, args.pid))}" if args.pid else "every rank on this node"
@@ -81,6 +85,18 @@ def cmd_agent(args) -> int:
     finally:
         agent.stop()
     return 0
+
+
+def _serve_metrics(collector, addr):
+    """The /metrics + /snapshot endpoint of `collector` on HOST:PORT, or None without --metrics."""
+    if not addr:
+        return None
+    from ccld.collector.metrics import MetricsServer
+    try:
+        return MetricsServer(collector, addr).start()
+    except BaseException:
+        collector.stop()
+        raise
 
 
 def _server_keys(args):
@@ -109,12 +125,24 @@ def cmd_keys(args) -> int:
 def cmd_run(args) -> int:
     from ccld import launch
     return launch.run(args.cmd, args.collector, args.store, args.findings, args.hang_after,
-                      use_bpf=not args.no_bpf, say=_say, perfetto=args.perfetto)
+                      use_bpf=not args.no_bpf, say=_say, perfetto=args.perfetto, metrics=args.metrics)
 
 
 def cmd_diagnose(args) -> int:
     from ccld.diagnose.findings import format_line
     from ccld.diagnose.replay import format_report, replay
+    if args.flight_recorder:
+        from ccld.diagnose.frcheck import diagnose_dumps, format_detail, format_dumps
+        if args.store:
+            raise CcldError("give a store or --flight-recorder DIR, not both")
+        findings, dumps = diagnose_dumps(args.flight_recorder, prefix=args.fr_prefix, floor_s=args.hang_after)
+        lines = [json.dumps(f.to_json()) for f in findings] if args.json else format_dumps(dumps) + (
+            [ln for f in findings for ln in [format_line(f)] + format_detail(f)] or ["no findings"])
+        for line in lines:
+            print(line)
+        return 0
+    if not args.store:
+        raise CcldError("nothing to diagnose: give STORE_DIR, or --flight-recorder DIR")
     _timeline, findings, recoveries, report = replay(args.store, floor_s=args.hang_after)
     if args.json:
         for f in findings:
@@ -163,6 +191,13 @@ def cmd_report(args) -> int:
 
 def cmd_export(args) -> int:
     from ccld.export import export_trace, guess_format, parse_ranks, progress_line, read_findings, summary_line
+    if args.failure_trace:
+        from ccld.export.failures import write_failure_trace
+        _say(write_failure_trace(args.store, args.failure_trace, findings_path=args.findings,
+                                 hang_after=args.hang_after))
+        return 0
+    if not args.perfetto:
+        raise CcldError("say what to write: --perfetto OUT.pftrace or --failure-trace OUT.csv")
     fmt = guess_format(args.perfetto, args.format)
     ranks = parse_ranks(args.ranks)
     findings = [] if args.no_findings else read_findings(args.findings) if args.findings else None
@@ -182,6 +217,11 @@ def cmd_export(args) -> int:
 
 
 PROGRESS_S = 2.0  # `ccld export` progress period
+
+
+def cmd_top(args) -> int:
+    from ccld import top
+    return top.run(args.addr, args.interval, args.once, say=_say)
 
 
 def cmd_demo(args) -> int:

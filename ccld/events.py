@@ -29,7 +29,7 @@ import msgpack
 from ccld.errors import CcldError
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 2  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI)
+SCHEMA_MINOR = 3  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # agents send <= 2,048 events (~300 KiB) a frame; 4 MiB bounds a hostile one
 # 32x the shipper's MAX_BATCH. Checked by the MessagePack reader before it allocates anything: a
 # 16 MiB frame of 16M one-byte junk events once took 7 GiB and 80 s to reject.
@@ -82,6 +82,25 @@ class ClockSample(Event):
     mono_ns: int
     wall_ns: int
     ts_ns: int = 0
+
+
+@dataclass(frozen=True)
+class ClockSync(Event):
+    """This node's clock measured against the collector's by timestamped round trips (NTP-style, the
+    agent's ccld/tracer/timesync.py): collector Unix ns = t + offset_ns + drift_ppb * (t - ref_ns) / 1e9
+    for a time t of this node's clock (the clock of every ts_ns it sends). `uncertainty_ns` bounds the
+    error: half the smallest round trip plus the fit's residual. `epoch` names the time service
+    instance (a restarted collector starts a new fit). Sent with every frame once an estimate exists."""
+    KIND: ClassVar[str] = "clock_sync"
+    ts_ns: int          # when the estimate was made (this node's clock)
+    ref_ns: int         # this node's time at which offset_ns holds (the newest sample)
+    offset_ns: int      # collector Unix ns minus this node's ns, at ref_ns
+    drift_ppb: int      # how fast the offset grows: ns per s of this node's clock
+    uncertainty_ns: int
+    rtt_min_ns: int = 0     # smallest round trip in the fit's window
+    residual_ns: int = 0    # RMS of the fit's residuals
+    samples: int = 0        # round trips (best of each burst) in the fit
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -351,7 +370,7 @@ EVENT_TYPES: Dict[str, Type[Event]] = {
     for cls in (AgentHello, ClockSample, RankInfo, RankExit, RankState, CommInit,
                 CollEnter, WorkStart, WorkEnd, P2P, ProbeStatus, LossCounters,
                 LinkStats, SchedStats, QpInfo, NicCounters,
-                GpuKernel, GpuMemop, GpuLoss)
+                GpuKernel, GpuMemop, GpuLoss, ClockSync)
 }
 
 _FIELDS: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]] = {}

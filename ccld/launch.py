@@ -45,7 +45,9 @@ def open_session(collector_addr: Optional[str], store: Optional[str], findings: 
         endpoint = collector.endpoint
     elif store or findings:
         say("ccld: note: --store/--findings belong to the collector at " + endpoint + "; ignored here")
-    agent = Agent(endpoint, root_pid=-1, use_bpf=use_bpf, say=say)
+    svc = collector.time_service if collector is not None else None  # on a random port: tell the agent
+    agent = Agent(endpoint, root_pid=-1, use_bpf=use_bpf, say=say,
+                  time_service=svc.endpoint if svc is not None else None)
     agent.load()
     return Session(collector, agent, endpoint)
 
@@ -95,7 +97,7 @@ def exit_status(rc: int) -> int:
 
 def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], findings: Optional[str],
         hang_after: float, use_bpf: bool, say: Callable[[str], None] = print,
-        perfetto: Optional[str] = None) -> int:
+        perfetto: Optional[str] = None, metrics: Optional[str] = None) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
@@ -112,6 +114,19 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
         if tmp_store:
             shutil.rmtree(tmp_store, ignore_errors=True)
         raise
+    served = None
+    if metrics and session.collector is None:
+        say(f"ccld: note: --metrics belongs to the collector at {session.endpoint}; ignored here")
+    elif metrics:
+        from ccld.collector.metrics import MetricsServer
+        try:
+            served = MetricsServer(session.collector, metrics).start()
+        except BaseException:
+            close_session(session)
+            if tmp_store:
+                shutil.rmtree(tmp_store, ignore_errors=True)
+            raise
+        say(f"ccld: metrics at {served.url}/metrics, live view: ccld top {served.host}:{served.port}")
     interrupted = []
 
     def on_signal(signum, _frame):
@@ -119,8 +134,10 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        from ccld.cupti.inject import job_env
+        env = job_env(session.agent, say)  # says once whether CUPTI is on; None: the job's env unchanged
         try:
-            proc = subprocess.Popen(cmd, start_new_session=True)
+            proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         except OSError as e:
             raise CcldError(f"cannot start {cmd[0]!r}: {e.strerror}") from None
         session.agent.root_pid = proc.pid
@@ -139,6 +156,8 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if served is not None:
+            served.stop()
         close_session(session)
         if session.collector is not None:
             n = len(getattr(session.collector, "findings", []))

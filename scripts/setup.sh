@@ -11,8 +11,9 @@ if [[ "${CCLD_SKIP_APT:-0}" != 1 ]]; then
   # chromium: the e2e test that opens `ccld report`'s page headless
   # libibverbs1: the RDMA probe test drives the real library (no device needed); libibverbs-dev: its
   # <infiniband/verbs.h>, against which a unit test checks the struct offsets rdma.bpf.c reads
+  # tmux: the test that drives `ccld top` in a real terminal; systemd: `systemd-analyze verify` of deploy/systemd
   pkgs=(python3-bpfcc linux-headers-amd64 bpftool iproute2 iptables procps python3-venv chromium
-        libibverbs1 libibverbs-dev)
+        libibverbs1 libibverbs-dev tmux systemd)
   missing=()
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   if ((${#missing[@]})); then
@@ -31,9 +32,9 @@ if [[ ! -x .venv/bin/python ]]; then
   say "creating .venv with $($PY --version)"
   $PY -m venv .venv
 fi
-say "installing ccld, torch==2.13.0 (CPU), NCCL's library (for the probe tests; no GPU needed) and test tools into .venv"
+say "installing ccld, torch==2.13.0 (CPU), NCCL's library (for the probe tests; no GPU needed), cupti-python and test tools into .venv"
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q torch==2.13.0 nvidia-nccl-cu12==2.32.3 -e '.[test]'
+.venv/bin/pip install -q torch==2.13.0 nvidia-nccl-cu12==2.32.3 -e '.[test,cupti]'
 
 # bcc ships as a Debian Python package; link it into the venv instead of exposing all of dist-packages.
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -3,7 +3,8 @@
 Two threads: the ingest thread owns the PULL socket and the store (recv with a poll timeout ->
 decode -> append raw to the store -> timeline), and the detection thread runs the detectors every
 TICK_S and prints each new finding or recovery as one line and one JSON line in the findings file
-(flushed at once). A lock serialises the timeline between them.
+(flushed at once). A lock serialises the timeline between them. A third thread, the time service
+(timesvc.py, by default on the events port + 1), answers the agents' clock round trips.
 Times: `recv_unix` and detection `now` are this machine's wall clock (Unix seconds); event times
 are converted from the agents' clocks by the timeline. Bounds: ZeroMQ holds at most RCVHWM frames
 per agent connection (beyond that agents queue and count their own drops); stop() ingests what is
@@ -27,10 +28,12 @@ from ccld import events as ev
 from ccld.collector.ingest import IngestCounters, decode_frame
 from ccld.collector.store import StoreWriter
 from ccld.collector.timeline import Timeline
+from ccld.collector.timesvc import start_time_service
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import Finding, format_line
 from ccld.diagnose.tracker import FindingTracker
 from ccld.diagnose.hang import AGENT_SILENT_S
+from ccld.diagnose.stack import StackTaker
 from ccld.errors import CcldError
 from ccld.security import ServerKeys, check_listen, secure_server
 
@@ -78,8 +81,10 @@ class Collector:
     def __init__(self, listen: str = DEFAULT_LISTEN, store_dir: Optional[str] = None,
                  findings_path: Optional[str] = None, on_line: Callable[[str], Any] = print,
                  floor_s: float = 5.0, k: float = 4.0, tick_s: float = TICK_S,
-                 keys: Optional["ServerKeys"] = None):
+                 keys: Optional["ServerKeys"] = None, stacks: bool = True, time_listen: Optional[str] = "auto"):
         self.listen = listen
+        self.time_listen = time_listen  # the agents' clock sync (timesvc.py): "auto" = events port + 1
+        self.time_service = None
         self.keys = keys          # CurveZMQ server keys; required to listen beyond loopback
         self._auth = None
         # absolute now: bcc chdir()s while it compiles, and the ingest thread may write meanwhile
@@ -89,11 +94,12 @@ class Collector:
         self.tick_s = tick_s
         self.timeline = Timeline()
         self.counters = IngestCounters()
-        self.diagnoser = Diagnoser(self.timeline, floor_s=floor_s, k=k)
+        self.diagnoser = Diagnoser(self.timeline, floor_s=floor_s, k=k, stacks=StackTaker() if stacks else None)
         self.tracker = FindingTracker()
         self._silent_agents: set = set()
         self.findings: List[Finding] = []
         self.recoveries: List[Dict[str, Any]] = []
+        self.updates = 0
         self.endpoint: Optional[str] = None
         self.internal_errors = 0
         self.frames_dropped_at_stop = 0  # queued in ZeroMQ when stop() ran out of drain time: counted, not read
@@ -137,6 +143,8 @@ class Collector:
             except zmq.ZMQError as e:
                 raise CollectorError(f"cannot listen on {self.listen}: {e}") from None
             self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.time_service = start_time_service(self.endpoint, self.time_listen, self.keys, self._say,
+                                                   wildcard=self.listen.endswith(":*"))
         except BaseException:
             self._close_resources()
             raise
@@ -157,6 +165,8 @@ class Collector:
             t.join(JOIN_TIMEOUT_S)
             if t.is_alive():
                 log.warning("collector thread %s did not stop within %.0f s", t.name, JOIN_TIMEOUT_S)
+        if self._threads and not any(t.is_alive() for t in self._threads):
+            self._final_tick()
         if self._store is not None:
             try:
                 self._store.write_stats(self.stats)
@@ -165,6 +175,9 @@ class Collector:
         self._close_resources(socket_in_use=any(t.is_alive() for t in self._threads if t.name == "ccld-ingest"))
 
     def _close_resources(self, socket_in_use: bool = False) -> None:
+        if self.time_service is not None:
+            self.time_service.close()
+            self.time_service = None
         if self._store is not None:
             try:
                 self._store.close()
@@ -274,26 +287,41 @@ class Collector:
                 self.internal_errors += 1
                 log.exception("collector detection error (%d so far); continuing", self.internal_errors)
 
-    def tick(self, now: float) -> None:
-        """Run the detectors at Unix time `now`; report what is new and what recovered."""
+    def _final_tick(self) -> None:
+        """One last look after the final frames were ingested: a job that failed fast (a rank killed,
+        the others erroring out, torchrun exiting) may end between two ticks. No stacks: the
+        processes are going away."""
+        try:
+            self.tick(time.time(), stacks=False)
+        except Exception:
+            self.internal_errors += 1
+            log.exception("collector final detection failed")
+
+    def tick(self, now: float, stacks: bool = True) -> None:
+        """Run the detectors at Unix time `now`; report what is new, what changed and what recovered."""
         with self._lock:
-            found = self.diagnoser.find_hangs(now)
-            new, recovered = self.tracker.update(found, now)
+            found = self.diagnoser.diagnose(now)
+            changes = self.tracker.step(found, now)
             silent = {a for a in self.timeline.agents if self.timeline.agent_is_silent(a, now, AGENT_SILENT_S)}
+        if stacks:
+            self.diagnoser.add_stacks(changes.new)  # py-spy, tens of ms per rank: not under the lock
         for a in sorted(silent - self._silent_agents):
             self._say(f"ccld: agent {a} has been silent for {AGENT_SILENT_S:.0f} s: hang detection for its "
                       "ranks is paused until it is back")
         for a in sorted(self._silent_agents - silent):
             self._say(f"ccld: agent {a} is back")
         self._silent_agents = silent
-        for f in new:
+        for f in changes.new:
             self._emit(format_line(f), f.json_line())
             with self._out_lock:
                 if len(self.findings) < MAX_FINDINGS_KEPT:
                     self.findings.append(f)
                 else:
                     self.findings_not_kept += 1
-        for r in recovered:
+        for u in changes.updated:
+            self._emit(format_line(u), json.dumps(u, default=str))
+            self.updates += 1
+        for r in changes.recovered:
             self._emit(format_line(r), json.dumps(r))
             with self._out_lock:
                 if len(self.recoveries) < MAX_FINDINGS_KEPT:
@@ -324,13 +352,25 @@ class Collector:
     # ---- state ----------------------------------------------------------------------------------
 
     @property
+    def lock(self) -> threading.Lock:
+        """Held while the timeline, counters and tracker change; readers (metrics, /snapshot) take it.
+        Not reentrant: read `stats` before taking it."""
+        return self._lock
+
+    @property
+    def out_lock(self) -> threading.Lock:
+        """Held while `findings` and `recoveries` grow."""
+        return self._out_lock
+
+    @property
     def stats(self) -> Dict[str, Any]:
         with self._lock:
             d = self.counters.to_dict()
             d.update(self.timeline.counters())
         d.update(endpoint=self.endpoint, started_at=self._started_at, findings=len(self.findings),
-                 recoveries=len(self.recoveries), active_findings=len(self.tracker.active),
+                 recoveries=len(self.recoveries), updates=self.updates, active_findings=len(self.tracker.active),
                  findings_not_kept=self.findings_not_kept, internal_errors=self.internal_errors,
                  store_errors=self.store_errors, frames_dropped_at_stop=self.frames_dropped_at_stop,
-                 store_records=self._store.records if self._store else None)
+                 store_records=self._store.records if self._store else None,
+                 time_service=self.time_service.stats() if self.time_service else None)
         return d

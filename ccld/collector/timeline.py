@@ -5,7 +5,8 @@ every rank's enter/start/end time. Times: every time here is Unix seconds (float
 the event's node-monotonic `ts_ns` by `ClockTable.to_unix`, keyed by the batch's agent; `recv_unix`
 is only used for how long an agent has been silent.
 
-Bounds: the last MAX_COLLS_PER_COMM collectives per communicator, MAX_COMMS communicators,
+Bounds: the last MAX_COLLS_PER_COMM collectives per communicator (fewer for big groups, so that one
+communicator holds at most ~MAX_RANK_ENTRIES_PER_COMM per-rank entries), MAX_COMMS communicators,
 MAX_RANKS processes, MAX_PENDING_NO_CLOCK events waiting for their agent's first clock sample.
 Whatever falls outside a bound, and every odd event (end without enter, unknown pid, duplicate),
 is counted in `anomalies`, never fatal. Not thread-safe: the caller serialises ingest and reads.
@@ -16,14 +17,17 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Optional, Set, Tuple
+from typing import Any, Deque, Dict, FrozenSet, Optional, Set, Tuple
 
 from ccld import events as ev
 from ccld.collector.clock import ClockTable
+from ccld.collector.gpu import GPU_EVENTS, GpuJoin
 from ccld.collector.links import LinkTable
 from ccld.collector.rdma import RdmaTable
 
-MAX_COLLS_PER_COMM = 4096     # hang detection looks at the newest; 4096 covers minutes of a fast job
+MAX_COLLS_PER_COMM = 4096     # hang detection looks at the newest; 4096 covers minutes of a fast job ...
+MAX_RANK_ENTRIES_PER_COMM = 1 << 20  # ... but a collective holds ~3 entries per member, so a big group keeps
+MIN_COLLS_PER_COMM = 64              # fewer: 1M / group size (>= 64): 256 at 4,096 ranks, ~250 MiB at most
 MAX_COMMS = 10_000            # process groups per collector; real jobs have a handful per job
 MAX_RANKS = 100_000           # processes per collector
 MAX_WORLD_SIZE = 1 << 17      # 131,072 ranks: above the largest jobs run today; a bigger value is a corrupt event
@@ -78,6 +82,8 @@ class CollView:
     ops: Dict[int, str] = field(default_factory=dict)       # global rank -> op it called
     failed: Dict[int, str] = field(default_factory=dict)    # global rank -> library error
     sizes: Dict[int, Tuple[int, str]] = field(default_factory=dict)  # rank -> (count, dtype) where probes know them
+    gpu_start: Dict[int, float] = field(default_factory=dict)  # rank -> Unix s its NCCL kernel began (gpu.py)
+    gpu_end: Dict[int, float] = field(default_factory=dict)
     completed_at: Optional[float] = None
 
     def first_enter(self) -> Optional[float]:
@@ -105,6 +111,8 @@ class Comm:
     peaks: Dict[int, Tuple[float, float]] = field(default_factory=dict)
     completed: int = 0
     resets: int = 0
+    expected: FrozenSet[int] = frozenset()                 # expected_members' answer, while expected_key holds
+    expected_key: Tuple[int, int, int] = (-2, -2, -2)
 
 
 _RANK_EVENTS = (ev.RankState, ev.RankExit, ev.CommInit, ev.CollEnter, ev.WorkStart, ev.WorkEnd, ev.P2P)
@@ -122,6 +130,7 @@ class Timeline:
         self.agent_loss: Dict[str, Dict[str, int]] = {}
         self.events_by_kind: collections.Counter = collections.Counter()
         self.anomalies: collections.Counter = collections.Counter()
+        self.gpu = GpuJoin(self)  # CUPTI kernels joined to collectives
         self.links = LinkTable(self.anomalies)
         self.rdma = RdmaTable(self.anomalies)
         # Exact per-(global rank, op) counts, for tests and sanity checks (all jobs together).
@@ -154,8 +163,8 @@ class Timeline:
         self.last_recv = recv_unix if self.last_recv is None else max(self.last_recv, recv_unix)
         for e in batch.events:
             self.events_by_kind[e.KIND] += 1
-            if isinstance(e, ev.ClockSample):
-                if self.clock.update(agent, e.mono_ns, e.wall_ns):
+            if isinstance(e, (ev.ClockSample, ev.ClockSync)):
+                if self.clock.update_event(agent, e):
                     self._drain_pending(agent)
                 else:
                     self.anomalies["bad-clock-sample"] += 1
@@ -197,6 +206,12 @@ class Timeline:
             self.rdma.update(node, rec.job if rec else "", e, t)
         elif isinstance(e, _RANK_EVENTS):
             self._rank_event(agent, node, e, t)
+            if isinstance(e, ev.CollEnter):
+                self.gpu.on_enter(node, e)
+            elif isinstance(e, ev.WorkEnd):
+                self.clock.observe_end(agent, e)  # ranks leave a collective together: aligns the nodes' clocks
+        elif isinstance(e, GPU_EVENTS):
+            self.gpu.apply(agent, node, e)
         else:
             self.anomalies[f"unhandled-kind:{e.KIND}"] += 1  # a kind the schema knows but the timeline does not use
 
@@ -313,7 +328,8 @@ class Timeline:
             self.anomalies["late-event"] += 1  # its collective already fell out of the bound
             return None
         view = comm.colls[seq] = CollView(comm=comm.id, seq=seq, op=op)
-        while len(comm.colls) > MAX_COLLS_PER_COMM:
+        keep = min(MAX_COLLS_PER_COMM, max(MIN_COLLS_PER_COMM, MAX_RANK_ENTRIES_PER_COMM // max(1, len(comm.members))))
+        while len(comm.colls) > keep:
             old, _ = comm.colls.popitem(last=False)
             comm.evicted_upto = max(comm.evicted_upto, old)
         return view
@@ -344,7 +360,9 @@ class Timeline:
         if view.completed_at is not None:
             return
         expected = self.expected_members(comm.id)
-        if not expected or not expected.issubset(view.enter.keys()) or not expected.issubset(view.end.keys()):
+        if not expected or len(view.end) < len(expected):  # cheap test first: most ends are not the last
+            return
+        if not expected.issubset(view.enter.keys()) or not expected.issubset(view.end.keys()):
             return
         view.completed_at = max(view.end[r] for r in expected)
         comm.completed += 1
@@ -358,7 +376,7 @@ class Timeline:
 
     # ---- questions ------------------------------------------------------------------------------
 
-    def expected_members(self, comm_id: str) -> Set[int]:
+    def expected_members(self, comm_id: str) -> FrozenSet[int]:
         """Global ranks that must take part in every collective of `comm_id`.
 
         The whole world of the job when the group spans it (or its size is unknown, which happens
@@ -366,11 +384,15 @@ class Timeline:
         """
         comm = self.comms.get(comm_id)
         if comm is None:
-            return set()
+            return frozenset()
         world = self.jobs.get(comm.job, -1) if comm.job else -1
-        if world > 0 and (comm.group_size < 0 or comm.group_size == world):
-            return set(range(world))
-        return set(comm.members)
+        # Asked for every WorkEnd: building range(world) each time made a collective cost O(world^2).
+        key = (world, comm.group_size, len(comm.members))
+        if comm.expected_key != key:
+            spans = world > 0 and (comm.group_size < 0 or comm.group_size == world)
+            comm.expected = frozenset(range(world)) if spans else frozenset(comm.members)
+            comm.expected_key = key
+        return comm.expected
 
     def recent_peaks(self, comm_id: str, now: float) -> Tuple[float, float]:
         """(max arrival spread s, max duration s) of the collectives completed in the last hour."""
@@ -404,6 +426,7 @@ class Timeline:
         """JSON-ready counters for stats.json and `ccld diagnose`."""
         return {"events_by_kind": dict(self.events_by_kind), "anomalies": dict(self.anomalies),
                 "agent_loss": {a: dict(c) for a, c in self.agent_loss.items()},
-                "clock_samples_rejected": self.clock.rejected,
+                "clock_samples_rejected": self.clock.rejected, "clock": self.clock.summary(),
                 "pending_no_clock": sum(len(q) for q in self._pending.values()),
-                "agents": len(self.agents), "ranks": len(self.ranks), "comms": len(self.comms)}
+                "agents": len(self.agents), "ranks": len(self.ranks), "comms": len(self.comms),
+                "gpu": self.gpu.counters()}

@@ -1,48 +1,165 @@
 """Hang detection: which ranks keep a communicator's newest collective from finishing.
 
 For each communicator, look at the highest seq S any member entered:
+  (f) some member's library reported an error for S -> "fault" at once (no threshold: an error is
+      not a wait): the members that neither finished nor failed (a rank that died inside, or never
+      came), else the failed ranks themselves;
   (a) some expected members have not entered S while the others wait longer than the threshold
-      -> "not-entered" naming exactly those ranks ("fault" when one of them is stopped or exited);
+      -> "not-entered" naming exactly those ranks ("fault" when one of them is stopped or exited),
+      with what each is doing instead (`doing`): inside a collective of another communicator (and
+      whom that one waits for, following the chain; a cycle is a cross-communicator deadlock),
+      blocked in I/O, busy on CPU, asleep, stopped, exited;
   (b) everyone entered S but some have not finished it for longer than the threshold
       -> "fault": the stopped/exited members if any, else the ranks that never started (or never
-      finished) it. Which link is to blame is for a later localiser.
+      finished) it. Which link is to blame is `links.find_link_faults`'s question.
 A collective every member entered and finished is never a finding, and neither is a pause where all
 ranks are between collectives (nobody entered S+1).
 
 Thresholds adapt to the job: max(floor_s, k x the largest arrival spread (last enter - first enter))
 for (a), max(floor_s, k x the largest duration (last end - last enter)) for (b), over the
 communicator's collectives completed in the last hour (Timeline.recent_peaks), so a rank that
-regularly arrives late (checkpointing on rank 0) is not called hung. Times: Unix seconds.
+regularly arrives late (checkpointing on rank 0) is not called hung. A missing rank that is working
+(busy on CPU or in disk I/O, e.g. writing a checkpoint) while the others wait gets BUSY_FLOOR_S
+instead of floor_s: until then it is an informational `comp-slow` "pause" finding (find_pauses),
+not a hang. Times: Unix seconds.
 A rank whose agent went silent (killed, partitioned) would look like a rank that has not entered,
 so a communicator with such a member is not judged until its agent speaks again (AGENT_SILENT_S).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set
+import collections
+from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ccld.collector.timeline import Comm, CollView, Timeline
-from ccld.diagnose.findings import STATE_NAMES, Finding
+from ccld.collector.timeline import Comm, CollView, RankRecord, Timeline
+from ccld.diagnose.findings import STATE_NAMES, Finding, short_comm
 
 FLOOR_S = 5.0   # never call a hang before this: agents ship every 100 ms; 5 s is far above any jitter
 K = 4.0         # x the job's own worst recent spread/duration
 EVIDENCE_RANKS = 16   # ranks described in full in one finding; `ranks` itself always lists every culprit
 AGENT_SILENT_S = 3.0  # agents send a frame every 100 ms; 3 s without one means we are blind there
+BUSY_CPU = 0.5        # CPU s per s between /proc samples: a rank this busy is computing, not blocked
+STARVED_RUNQ = 0.5    # runqueue s per s (SchedStats) of a running rank that is waiting for a CPU more than using one
+# A missing rank that is busy (CPU or disk) while its peers wait is most likely checkpointing or
+# evaluating: it is a hang only after this long (or K x the job's longest such wait, if longer).
+BUSY_FLOOR_S = 120.0
+FAILED_GRACE_S = 1.0  # after the first error, wait this long for the other ranks' ends to arrive
+MAX_CHAIN = 8         # hops followed from a missing rank to the collective it waits in, and on
+WORKING_CPU = 0.3     # CPU s per s over a wait that makes a missing rank "working", whatever one sample says
+MAX_SAMPLES = 600     # /proc samples kept per waited-for rank: 10 minutes at one a second
+MAX_TRACKED = 4096    # ranks with samples before old ones are dropped ...
+SAMPLES_KEPT_S = 600.0  # ... those not sampled for 10 minutes
+NOTE_AFTER_S = 1.0    # waited-for ranks are sampled from this far into a wait (normal arrivals take ms) ...
+NOTE_MAX_RANKS = 64   # ... when at most this many are missing (a few ranks hold the others: the pause case)
+MAX_LISTED = 256      # ranks listed in one evidence field (waiting, finished, ...); its count is given too
 
 
 def blind_members(tl: Timeline, comm: Comm, members: Set[int], now: float) -> List[int]:
     """Members whose agent has been silent for longer than AGENT_SILENT_S."""
+    if not any(tl.agent_is_silent(a, now, AGENT_SILENT_S) for a in tl.agents):
+        return []  # the common case, without looking at each of thousands of members
     out = []
+    silent: Dict[str, bool] = {}  # per agent: thousands of ranks share a few agents
     for r in members:
         rec = tl.rank_record(comm.job, r)
         if rec is None or rec.exited():
             continue
-        if tl.agent_is_silent(rec.agent, now, AGENT_SILENT_S):
+        s = silent.get(rec.agent)
+        if s is None:
+            s = silent[rec.agent] = tl.agent_is_silent(rec.agent, now, AGENT_SILENT_S)
+        if s:
             out.append(r)
     return sorted(out)
 
 
+def listed(ranks) -> List[int]:
+    """At most MAX_LISTED of `ranks`, sorted: a finding at 16,384 ranks must stay a readable line."""
+    return sorted(ranks)[:MAX_LISTED]
+
+
 def _r(x: Optional[float], nd: int = 6) -> Optional[float]:
     return None if x is None else round(x, nd)
+
+
+def open_collective(tl: Timeline, job: str, rank: int, skip: Optional[str] = None) -> Optional[Tuple[Comm, CollView]]:
+    """The collective `rank` is inside right now (entered, not finished) on any communicator of
+    `job` but `skip`: the newest one, or None."""
+    best = None
+    for c in tl.comms.values():
+        if c.id == skip or c.job != job:
+            continue
+        last = c.last_entered.get(rank)
+        if last is None:
+            continue
+        view = c.colls.get(last[0])
+        if view is None or rank in view.end:
+            continue
+        if best is None or last[2] > best[2]:
+            best = (c, view, last[2])
+    return None if best is None else best[:2]
+
+
+def _waits_for(tl: Timeline, comm: Comm, view: CollView) -> List[int]:
+    """Whom an open collective waits for: the members that have not entered it, or, when all have,
+    those that have not finished it."""
+    expected = tl.expected_members(comm.id)
+    missing = expected - view.enter.keys()
+    return sorted(missing if missing else expected - view.end.keys())
+
+
+def wait_chain(tl: Timeline, comm: Comm, view: CollView, rank: int) -> Tuple[List[Dict[str, Any]], bool]:
+    """Follow `rank` (missing from `view`) to the collective it is in, whom that waits for, where
+    that rank is, and so on: (hops, True when the chain comes back to a collective already on it,
+    i.e. a cross-communicator deadlock)."""
+    hops: List[Dict[str, Any]] = []
+    seen = {(comm.id, view.seq)}
+    r = rank
+    for _ in range(MAX_CHAIN):
+        got = open_collective(tl, comm.job, r)
+        if got is None:
+            return hops, False
+        c, v = got
+        waits = _waits_for(tl, c, v)
+        hops.append({"rank": r, "comm": c.id, "seq": v.seq, "op": v.ops.get(r) or v.op,
+                     "entered_at": _r(v.enter.get(r)), "waits_for": waits[:EVIDENCE_RANKS]})
+        if (c.id, v.seq) in seen:
+            return hops, True
+        seen.add((c.id, v.seq))
+        nxt = [q for q in waits if q != r]
+        if not nxt:
+            return hops, False
+        r = nxt[0]
+    return hops, False
+
+
+def doing(tl: Timeline, comm: Comm, rank: int, rec: Optional[RankRecord]) -> Tuple[str, str]:
+    """(label, words) for what `rank` is doing (for a rank absent from `comm`'s newest collective:
+    instead): exited, stopped, inside (`comm`'s newest collective), in-collective (another one, on
+    any communicator), io, cpu-starved, busy, sleeping, running, unknown, not-seen."""
+    if rec is None:
+        return "not-seen", "not reported by any agent"
+    if rec.exited():
+        return "exited", f"exited ({rec.exit_reason or 'exited'})"
+    if rec.stopped():
+        return "stopped", "stopped (SIGSTOP or a debugger)"
+    got = open_collective(tl, comm.job, rank)
+    if got is not None:
+        c, v = got
+        if c is comm and v.seq == comm.max_seq:
+            return "inside", f"inside seq {v.seq} {v.ops.get(rank) or v.op} (the collective in question)"
+        return "in-collective", f"in {short_comm(c.id)} seq {v.seq} {v.ops.get(rank) or v.op}"
+    wchan = rec.wchan if rec.wchan and rec.wchan != "0" else ""
+    if rec.state == "D":
+        return "io", "blocked in I/O" + (f" ({wchan})" if wchan else "")
+    runq = getattr(rec, "runq_share", None)
+    if rec.state == "R" and runq is not None and runq >= STARVED_RUNQ:
+        return "cpu-starved", f"runnable but waiting for a CPU ({runq:.2f} s per s) outside collectives"
+    if rec.cpu_busy is not None and rec.cpu_busy >= BUSY_CPU:
+        return "busy", f"busy on CPU ({100 * rec.cpu_busy:.0f}%) outside collectives"
+    if rec.state in ("S", "I"):
+        return "sleeping", "asleep outside collectives" + (f" ({wchan})" if wchan else "")
+    if rec.state:
+        return "running", f"state {rec.state} outside collectives"
+    return "unknown", "no /proc state yet"
 
 
 def rank_evidence(tl: Timeline, comm: Comm, rank: int, now: float) -> Dict[str, Any]:
@@ -51,6 +168,7 @@ def rank_evidence(tl: Timeline, comm: Comm, rank: int, now: float) -> Dict[str, 
     last = comm.last_entered.get(rank)
     out["last_entered"] = None if last is None else {"seq": last[0], "op": last[1], "at": _r(last[2])}
     rec = tl.rank_record(comm.job, rank)
+    out["doing"], out["doing_text"] = doing(tl, comm, rank, rec)
     if rec is None:
         out["seen"] = False
         return out
@@ -61,6 +179,8 @@ def rank_evidence(tl: Timeline, comm: Comm, rank: int, now: float) -> Dict[str, 
                stopped=rec.stopped(), exited_at=_r(rec.exited_at), exit_reason=rec.exit_reason or None,
                last_event_at=_r(rec.last_event_at), agent=rec.agent,
                agent_silent_s=_r(tl.agent_silent_s(rec.agent, now), 3))
+    if getattr(rec, "runq_share", None) is not None:
+        out["runq_share"] = _r(rec.runq_share, 3)  # runnable but waiting for a CPU, s per s (SchedStats)
     if rec.last_p2p is not None:
         op, peer, at = rec.last_p2p
         out["last_p2p"] = {"op": op, "peer": peer, "at": _r(at)}
@@ -84,31 +204,159 @@ def _why_dead(tl: Timeline, comm: Comm, ranks: List[int]) -> str:
     return "exited" if all(r is not None and r.exited() for r in recs) else "stopped"
 
 
-def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k: float = K) -> Optional[Finding]:
-    """The hang finding for one communicator at time `now`, or None."""
+def _active_now(rec: RankRecord) -> bool:
+    return rec.state in ("R", "D") or (rec.cpu_busy is not None and rec.cpu_busy >= BUSY_CPU)
+
+
+class Activity:
+    """The /proc samples (state, CPU time) of ranks that keep their peers waiting, noted each tick,
+    so "is it working?" is judged over the whole wait and not flipped by one sample (a checkpoint
+    alternates between CPU, disk waits and short sleeps). One per Timeline (the Diagnoser's)."""
+
+    def __init__(self) -> None:
+        self._samples: Dict[Tuple[str, int], "collections.deque"] = {}
+
+    def note(self, rec: RankRecord) -> "collections.deque":
+        key = (rec.node, rec.pid)
+        d = self._samples.get(key)
+        if d is None:
+            d = self._samples[key] = collections.deque(maxlen=MAX_SAMPLES)
+        if rec.state_at is not None and (not d or d[-1][0] != rec.state_at):
+            d.append((rec.state_at, rec.state, rec.cpu_ns))
+        return d
+
+    def working(self, rec: RankRecord, since: float) -> bool:
+        """True when, since `since`, the rank was running or in disk I/O in at least half of the
+        samples, or used WORKING_CPU of a CPU; with fewer than 2 samples, from the latest one."""
+        got = [x for x in self.note(rec) if x[0] >= since]
+        if len(got) < 2:
+            return _active_now(rec) or (rec.cpu_busy is not None and rec.cpu_busy >= WORKING_CPU)
+        active = sum(1 for _, st, _ in got if st in ("R", "D")) / len(got)
+        span = got[-1][0] - got[0][0]
+        share = (got[-1][2] - got[0][2]) / 1e9 / span if span > 0 and got[0][2] >= 0 else 0.0
+        return active >= 0.5 or share >= WORKING_CPU
+
+    def prune(self, now: float) -> None:
+        if len(self._samples) > MAX_TRACKED:
+            self._samples = {k: d for k, d in self._samples.items() if d and d[-1][0] >= now - SAMPLES_KEPT_S}
+
+
+def _working(tl: Timeline, comm: Comm, ranks: Set[int], since: float, activity: Optional[Activity]) -> bool:
+    """True when every one of `ranks` is alive and working (busy on CPU, or in disk I/O)."""
+    for r in ranks:
+        rec = tl.rank_record(comm.job, r)
+        if rec is None or rec.exited() or rec.stopped():
+            return False
+        if not (activity.working(rec, since) if activity is not None else _active_now(rec)):
+            return False
+    return bool(ranks)
+
+
+def _ranks_words(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"{len(ranks)} ranks"
+
+
+def _summary(details: List[Dict[str, Any]], reason: str) -> str:
+    """What a change of deserves a new line on the terminal (the tracker compares it): no numbers."""
+    shown = "; ".join(f"rank {d['rank']} {d.get('doing', '?')}" for d in details[:4])
+    return f"{reason}: {shown}" + (f" (+{len(details) - 4})" if len(details) > 4 else "")
+
+
+def _failed(tl: Timeline, comm: Comm, view: CollView, expected: Set[int], now: float,
+            base: Dict[str, Any]) -> Optional[Finding]:
+    first = min(view.end[r] for r in view.failed if r in view.end)
+    if now - first < FAILED_GRACE_S:
+        return None
+    no_end = expected - view.end.keys()
+    failed = set(view.failed)
+    order = None
+    if no_end:
+        # Gloo reports an error on every rank that lost a peer; the one that neither finished nor
+        # failed is where it started (it died, was stopped, or never came). The launcher stops the
+        # other ranks within ~0.1 s of the first death, often before they notice a peer is gone, so
+        # several may qualify: one that never entered is likelier the first than one waiting inside;
+        # beyond that the order is not known (the agent sees exits once a second).
+        dead = _dead(tl, comm, no_end)
+        candidates = dead or sorted(no_end)
+        outside = [r for r in candidates if r not in view.enter]
+        blamed = outside if outside and len(outside) < len(candidates) else candidates
+        dead = [r for r in dead if r in blamed]
+        if len(blamed) > 1:
+            order = "unknown: these ranks all stopped without finishing, too close together to order"
+        reason = _why_dead(tl, comm, dead) if dead else "peers-failed"
+    else:
+        dead = _dead(tl, comm, failed)
+        blamed, reason = dead or sorted(failed), "failed"
+    details = [rank_evidence(tl, comm, r, now) for r in blamed[:EVIDENCE_RANKS]]
+    evidence = dict(base, reason=reason, failed_at=_r(first), failed_ranks=listed(failed), n_failed=len(failed),
+                    never_ended=listed(no_end) or None, n_entered=len(view.enter.keys() & expected),
+                    sizes_known=bool(view.sizes), death_order=order, ranks=details, summary=_summary(details, reason),
+                    note="the library reported errors on the ranks that lost a peer during this collective; "
+                         "a rank that died inside it (killed, out of memory, or aborted by the library, e.g. "
+                         "on a message larger than expected: a tensor size mismatch) is named"
+                         + ("; gloo probes record no tensor sizes, so a size mismatch cannot be told apart"
+                            if not view.sizes else ""))
+    return Finding(kind="hang", cls="fault", ranks=blamed, comm=comm.id, seq=view.seq, op=view.op,
+                   onset_at=first, detected_at=now, evidence=evidence, job=comm.job)
+
+
+def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k: float = K,
+               activity: Optional[Activity] = None) -> Optional[Finding]:
+    """The hang (kind "hang") or pause (kind "slow", informational) finding for one communicator
+    at time `now`, or None."""
     seq = comm.max_seq
     view: Optional[CollView] = comm.colls.get(seq) if seq >= 0 else None
+    if view is None or not view.enter or (view.completed_at is not None and not view.failed):
+        return None  # the common case (completed), answered without looking at any rank
     expected = tl.expected_members(comm.id)
-    if view is None or len(expected) < 2 or not view.enter:
+    if len(expected) < 2:
         return None  # a group of one cannot wait on a peer
+    base = {"expected": len(expected), "failed": {str(r): e for r, e in sorted(view.failed.items())} or None}
+    if view.failed:
+        return _failed(tl, comm, view, expected, now, base)
     if blind_members(tl, comm, expected, now):
         return None  # we cannot tell "has not entered" from "its events cannot reach us"
     spread_peak, dur_peak = tl.recent_peaks(comm.id, now)
     entered = expected & view.enter.keys()
     missing = expected - entered
-    base = {"expected": len(expected), "failed": {str(r): e for r, e in sorted(view.failed.items())} or None}
     if missing:
         onset = min(view.enter[r] for r in entered) if entered else view.first_enter()
         threshold = max(floor_s, k * spread_peak)
+        if activity is not None and now - onset > NOTE_AFTER_S and len(missing) <= NOTE_MAX_RANKS:
+            for r in missing:  # from early in the wait, so "working" is judged over all of it
+                rec = tl.rank_record(comm.job, r)
+                if rec is not None:
+                    activity.note(rec)
         if now - onset <= threshold:
             return None
         dead = _dead(tl, comm, missing)
+        busy_threshold = max(BUSY_FLOOR_S, k * spread_peak)
+        pause = not dead and now - onset <= busy_threshold and _working(tl, comm, missing, onset, activity)
         blamed = dead or sorted(missing)
-        evidence = dict(base, reason=_why_dead(tl, comm, dead) if dead else "not-entered",
-                        waited_s=round(now - onset, 3), threshold_s=round(threshold, 3),
-                        learned_spread_s=round(spread_peak, 6), waiting=sorted(entered),
-                        also_missing=sorted(missing - set(blamed)) or None,
-                        ranks=[rank_evidence(tl, comm, r, now) for r in blamed[:EVIDENCE_RANKS]])
+        details = [rank_evidence(tl, comm, r, now) for r in blamed[:EVIDENCE_RANKS]]
+        reason = _why_dead(tl, comm, dead) if dead else "pause" if pause else "not-entered"
+        evidence = dict(base, reason=reason, waited_s=round(now - onset, 3), threshold_s=round(threshold, 3),
+                        learned_spread_s=round(spread_peak, 6), waiting=listed(entered), n_waiting=len(entered),
+                        also_missing=listed(missing - set(blamed)) or None, ranks=details,
+                        summary=_summary(details, reason))
+        if pause:
+            # what it is busy with flips between CPU and disk from sample to sample: not news
+            evidence.update(informational=True, hang_after_s=round(busy_threshold, 3),
+                            summary=f"pause: {_ranks_words(blamed)} working outside collectives",
+                            note=f"the missing rank{'s are' if len(blamed) > 1 else ' is'} busy outside "
+                                 "collectives (on CPU or in disk I/O) while the others wait: a checkpoint-"
+                                 f"like pause, not a hang unless it lasts {busy_threshold:.0f} s")
+            return Finding(kind="slow", cls="comp-slow", ranks=blamed, comm=comm.id, seq=seq, op=view.op,
+                           onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
+        if not dead:
+            chains = {}
+            for r in blamed[:EVIDENCE_RANKS]:
+                hops, cycle = wait_chain(tl, comm, view, r)
+                if hops:
+                    chains[str(r)] = {"hops": hops, "deadlock": cycle}
+            if chains:
+                evidence["wait_chains"] = chains
+                evidence["deadlock"] = any(c["deadlock"] for c in chains.values())
         return Finding(kind="hang", cls="fault" if dead else "not-entered", ranks=blamed, comm=comm.id,
                        seq=seq, op=view.op, onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
     not_ended = expected - view.end.keys()
@@ -126,20 +374,35 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k
         blamed, reason = sorted(expected - started), "not-started"
     else:
         blamed, reason = sorted(not_ended), "not-finished"
+    details = [rank_evidence(tl, comm, r, now) for r in blamed[:EVIDENCE_RANKS]]
     evidence = dict(base, reason=reason, waited_s=round(now - onset, 3), threshold_s=round(threshold, 3),
-                    learned_duration_s=round(dur_peak, 6), finished=sorted(expected - not_ended),
-                    not_finished=sorted(not_ended),
-                    started=sorted(started) if view.start else None,
+                    learned_duration_s=round(dur_peak, 6), finished=listed(expected - not_ended),
+                    not_finished=listed(not_ended), n_not_finished=len(not_ended),
+                    started=listed(started) if view.start else None,
                     note="all ranks entered; which link is at fault is not localised yet",
-                    ranks=[rank_evidence(tl, comm, r, now) for r in blamed[:EVIDENCE_RANKS]])
+                    ranks=details, summary=_summary(details, reason))
     return Finding(kind="hang", cls="fault", ranks=blamed, comm=comm.id, seq=seq, op=view.op,
                    onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
 
 
-def find_hangs(tl: Timeline, now: float, floor_s: float = FLOOR_S, k: float = K) -> List[Finding]:
+def check_all(tl: Timeline, now: float, floor_s: float = FLOOR_S, k: float = K,
+              activity: Optional[Activity] = None) -> List[Finding]:
+    """Every communicator's hang or pause finding (both kinds; the facade splits them). `activity`
+    (the Diagnoser's) judges a waited-for rank over its whole wait; without it, from one sample."""
     out = []
     for comm in list(tl.comms.values()):
-        f = check_comm(tl, comm, now, floor_s, k)
+        f = check_comm(tl, comm, now, floor_s, k, activity)
         if f is not None:
             out.append(f)
+    if activity is not None:
+        activity.prune(now)
     return out
+
+
+def find_hangs(tl: Timeline, now: float, floor_s: float = FLOOR_S, k: float = K) -> List[Finding]:
+    return [f for f in check_all(tl, now, floor_s, k) if f.kind == "hang"]
+
+
+def find_pauses(tl: Timeline, now: float, floor_s: float = FLOOR_S, k: float = K) -> List[Finding]:
+    """Informational: a rank busy outside collectives (checkpoint-like) while its peers wait."""
+    return [f for f in check_all(tl, now, floor_s, k) if f.kind == "slow"]

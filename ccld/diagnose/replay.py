@@ -1,5 +1,9 @@
 """Offline diagnosis: replay a store through the same timeline and detectors as the live collector.
 
+Hangs and slowdowns both (Diagnoser.diagnose), through the same FindingTracker: the findings, their
+update records (report["updates"]) and recoveries are those the collector printed live, except
+Python stacks (py-spy needs the live processes).
+
 Frames are ingested in stored order; before each frame the detectors run at every STEP_S of
 recorded time (the frames' recv times, Unix seconds) up to it, and at the end up to the moment the
 collector closed the store, so a recorded hang is found offline as it was live, with the same ids
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
+from ccld.collector.clock import format_clock_lines
 from ccld.collector.ingest import IngestCounters, ingest_frame
 from ccld.collector.store import list_segments, read_meta, read_stats, read_store
 from ccld.collector.timeline import Timeline
@@ -35,12 +40,14 @@ def replay(store_dir: str, floor_s: float = 5.0, k: float = 4.0,
     tracker = FindingTracker()
     findings: List[Finding] = []
     recoveries: List[Dict[str, Any]] = []
+    updates: List[Dict[str, Any]] = []
     rejects: List[str] = []  # first few reject messages, for the report
 
     def tick(now: float) -> None:
-        new, rec = tracker.update(diag.find_hangs(now), now)
-        findings.extend(new)
-        recoveries.extend(rec)
+        changes = tracker.step(diag.diagnose(now), now)
+        findings.extend(changes.new)
+        updates.extend(changes.updated)
+        recoveries.extend(changes.recovered)
 
     def run_until(next_tick: float, until: float) -> float:
         step = max(step_s, (until - next_tick) / MAX_STEPS_PER_GAP)
@@ -73,6 +80,7 @@ def replay(store_dir: str, floor_s: float = 5.0, k: float = 4.0,
                   problems=problems, first_recv=first, last_recv=last, closed_at=closed_at,
                   recv_time_backwards=backwards, reject_examples=rejects,
                   findings=len(findings), recoveries=len(recoveries), active=len(tracker.active),
+                  updates=updates,
                   recorded_stats=read_stats(store_dir))
     report.update(counters.to_dict())
     report.update(tl.counters())
@@ -103,4 +111,5 @@ def format_report(report: Dict[str, Any]) -> List[str]:
     for agent, c in sorted((report.get("agent_loss") or {}).items()):
         counts(f"agent {agent} lost", c)
     counts("timeline anomalies", report.get("anomalies"))
+    out += format_clock_lines(report.get("clock"))  # per node: offset, drift, uncertainty (collector/clock.py)
     return out

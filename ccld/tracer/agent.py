@@ -4,8 +4,10 @@ One thread does the work, in a loop: drain every family's ring buffer (POLL_MS),
 SCAN_INTERVAL_MS look at /proc for ranks that appeared (attach) or went away (detach, forget).
 Ranks are found as descendants of a launched command (`ccld run`), as given PIDs and their
 descendants (`ccld agent --pid`), or anywhere on the node (`--discover`). Times are this node's
-CLOCK_MONOTONIC ns. A failure on one rank or one library is a warning; the agent keeps going, and
-nothing here can block or fail the traced job (probes are entry-only, the queue drops when full).
+CLOCK_MONOTONIC ns (shifted by CCLD_TEST_CLOCK in tests: nodeclock.py), measured against the
+collector's clock by timesync.py. A failure on one rank or one library is a warning; the agent
+keeps going, and nothing here can block or fail the traced job (probes are entry-only, the queue
+drops when full).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ccld import __version__
 from ccld import events as ev
 from ccld.errors import CcldError, EnvironmentProblem
 from ccld.tracer import discover, ibcounters, procstate
+from ccld.tracer.nodeclock import NodeClock
 from ccld.tracer.shipper import Shipper
 
 log = logging.getLogger("ccld.agent")
@@ -81,7 +84,8 @@ def parse_probes(text: str) -> List[str]:
 class Agent:
     def __init__(self, endpoint: str, *, pids: Sequence[int] = (), root_pid: Optional[int] = None,
                  discover_all: bool = False, use_bpf: bool = True, say: Callable[[str], None] = print,
-                 node: Optional[str] = None, keys=None, probes: Sequence[str] = FAMILY_NAMES):
+                 node: Optional[str] = None, keys=None, probes: Sequence[str] = FAMILY_NAMES,
+                 time_service: Optional[str] = None, clock: Optional[NodeClock] = None):
         if not pids and root_pid is None and not discover_all:
             raise CcldError("the agent needs something to trace: --pid PID, --discover, or a command (ccld run)")
         self.endpoint = endpoint
@@ -100,7 +104,16 @@ class Agent:
         self._stopped = False
         self._last_change = time.monotonic()  # when a rank last appeared, left or got its probes
         self._thread: Optional[threading.Thread] = None
-        self.shipper = Shipper(endpoint, self.agent_id, self.node, extra_loss=self._loss, keys=keys)
+        # Clock sync with the collector's time service (default: its port + 1; "off": wall clock only)
+        from ccld.collector.timesvc import default_time_endpoint
+        from ccld.tracer.timesync import TimeSync
+        self.clock = clock or NodeClock.from_env()
+        self.time_service = default_time_endpoint(endpoint) if time_service is None else time_service
+        self.timesync = (TimeSync(self.time_service, self.clock, keys=keys, say=say)
+                         if self.time_service and self.time_service != "off" else None)
+        self.shipper = Shipper(endpoint, self.agent_id, self.node, extra_loss=self._loss, keys=keys,
+                               clock=self.clock, sync=self.timesync)
+        self.cupti_sink = None  # CuptiSink: the CUPTI shim's records, when ccld run injects it (open_cupti_sink)
         self.nic = ibcounters.CounterReader()  # RDMA NIC port counters, sampled when the node has any
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -135,6 +148,8 @@ class Agent:
     def start(self) -> "Agent":
         if not self.families and self.use_bpf and self.bpf_problem is None:
             self.load()
+        if self.timesync is not None:
+            self.timesync.start()
         self.shipper.start()
         if self.nic.present():
             self.sources.append("ib-counters")
@@ -142,6 +157,24 @@ class Agent:
         self._thread = threading.Thread(target=self._loop, name="ccld-agent", daemon=True)
         self._thread.start()
         return self
+
+    def open_cupti_sink(self) -> str:
+        """Receive GPU records from the CUPTI shim in this agent's ranks; returns the endpoint the shim
+        pushes to (ccld/cupti/inject.py puts it in the job's environment). Polled by the loop."""
+        from ccld.tracer.cupti_sink import CuptiSink
+        if self.cupti_sink is None:
+            def rank_of(pid: int) -> Optional[int]:
+                r = self.ranks.get(pid)
+                return r.ident.rank if r is not None else None
+            self.cupti_sink = CuptiSink(self.shipper.put, rank_of=rank_of)
+            self.sources.append("cupti (shim)")
+        return self.cupti_sink.endpoint
+
+    def _poll_cupti(self, most: int = 256) -> None:
+        try:
+            self.cupti_sink.poll(most)
+        except Exception:  # a bug in the sink must not end tracing
+            log.exception("CUPTI sink poll failed")
 
     def stop(self) -> None:
         """Detach, flush and close. Safe to call twice."""
@@ -156,11 +189,16 @@ class Agent:
                 fam.poll(0)
             except Exception:
                 pass
+        if self.cupti_sink is not None:  # before the ranks are forgotten: their pids still map to ranks
+            self._poll_cupti(1 << 30)
+            self.cupti_sink.close()
         for pid in list(self.ranks):
             self._forget(pid, reason="agent stopped", exited=False)
         for fam, _ in self.families:
             fam.close()
         self.shipper.close()
+        if self.timesync is not None:
+            self.timesync.close()
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -184,6 +222,8 @@ class Agent:
                     self._sample_nic()
                 except Exception:  # a bug in the counter reader must not end tracing
                     log.exception("NIC counter sample failed")
+            if self.cupti_sink is not None:
+                self._poll_cupti()
             if self.families:
                 share = max(1, POLL_MS // len(self.families))
                 for fam, _ in self.families:
@@ -299,6 +339,8 @@ class Agent:
         out: Dict[str, int] = {}
         for reason, n in list(self.nic.errors.items()):
             out[f"nic_counter_{reason}"] = n
+        if self.cupti_sink is not None:
+            out.update(self.cupti_sink.loss())
         for fam, tr in self.families:
             try:
                 out[f"{fam.NAME}_ringbuf_lost"] = fam.lost()

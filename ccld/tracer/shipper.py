@@ -3,9 +3,11 @@
 `put()` never blocks and never raises: when the queue is full the event is dropped and counted,
 because the traced job (whose probes feed us) must never wait on the collector. A sender thread
 sends a batch every FLUSH_INTERVAL_MS (or sooner when MAX_BATCH events are waiting), each with a
-fresh ClockSample so the collector can convert this node's monotonic times. ZeroMQ reconnects by
-itself when the collector goes away and comes back; batches that cannot be sent while it is away
-wait in the queue (up to its bound) and are then dropped and counted.
+fresh ClockSample and, once clock sync has one, the newest ClockSync estimate first (timesync.py),
+so the collector can convert this node's monotonic times; frames are held until clock sync settles.
+Every event passes NodeClock.event here, the one place a test clock (CCLD_TEST_CLOCK) is applied.
+ZeroMQ reconnects by itself when the collector goes away and comes back; batches that cannot be sent
+while it is away wait in the queue (up to its bound) and are then dropped and counted.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Callable, Dict, List, Optional
 import zmq
 
 from ccld import events as ev
+from ccld.tracer.nodeclock import NodeClock
 
 log = logging.getLogger("ccld.shipper")
 
@@ -36,8 +39,11 @@ def clock_sample() -> ev.ClockSample:
 
 class Shipper:
     def __init__(self, endpoint: str, agent: str, node: str,
-                 extra_loss: Optional[Callable[[], Dict[str, int]]] = None, keys=None):
+                 extra_loss: Optional[Callable[[], Dict[str, int]]] = None, keys=None,
+                 clock: Optional[NodeClock] = None, sync=None):
         self.endpoint, self.agent, self.node = endpoint, agent, node
+        self.clock = clock or NodeClock()
+        self.sync = sync  # timesync.TimeSync (or None): its latest() estimate rides in every frame
         self.extra_loss = extra_loss or (lambda: {})
         self.queue: collections.deque = collections.deque()
         self.dropped = 0
@@ -99,6 +105,9 @@ class Shipper:
             stopping = self._stop.is_set()
             self._wake.wait(FLUSH_INTERVAL_MS / 1000)
             self._wake.clear()
+            if self.sync is not None and not stopping and not self.sync.settled.is_set():
+                self.sync.settled.wait(FLUSH_INTERVAL_MS / 1000)  # first estimate (or fallback) first
+                continue
             while True:
                 if self._pending is None:
                     batch = self._take(MAX_BATCH)
@@ -106,7 +115,12 @@ class Shipper:
                     if now - last_loss >= LOSS_EVERY_S or stopping:
                         batch.append(ev.LossCounters(ts_ns=time.monotonic_ns(), counters=self.loss()))
                         last_loss = now
+                    sync = self.sync.latest() if self.sync is not None else None
+                    if sync is not None:
+                        batch.insert(0, sync)  # first: this frame's events convert with the newest estimate
                     batch.append(clock_sample())
+                    if not self.clock.identity:
+                        batch = [self.clock.event(e) for e in batch]
                     self._batch_no += 1
                     self._pending = ev.encode_batch(self.agent, self.node, self._batch_no, batch)
                     self._pending_n = len(batch)

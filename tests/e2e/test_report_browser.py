@@ -38,11 +38,11 @@ def browser():
     return path
 
 
-def open_page(browser, page, tmp_path, shot=None):
+def open_page(browser, page, tmp_path, shot=None, window=WINDOW):
     """(DOM as Chromium serialises it after loading `page`, its console lines)."""
     cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
            f"--user-data-dir={tmp_path / 'profile'}", "--no-first-run", "--no-default-browser-check",
-           "--force-device-scale-factor=1", "--hide-scrollbars", f"--window-size={WINDOW[0]},{WINDOW[1]}",
+           "--force-device-scale-factor=1", "--hide-scrollbars", f"--window-size={window[0]},{window[1]}",
            "--enable-logging=stderr", "--v=0", "--dump-dom"]
     if shot:
         cmd.append(f"--screenshot={shot}")
@@ -109,3 +109,31 @@ def test_report_renders_in_chromium_without_console_errors(browser, tmp_path):
     html_img = Page(page.read_text()).img("heatmap")
     hot = decode_png(html_img).getpixel(cell_centre(html_img, SLOW_RANK, HUNG_SEQ - 1))
     assert count(hot) >= 0.8 * (x1 - x0) * cell_h * (HUNG_SEQ - 1) / HUNG_SEQ, "straggler row not on screen"
+
+
+def test_link_matrix_renders_in_chromium(browser, tmp_path):
+    """A report with link data (a hang caused by link 1-2): both link heatmaps are decoded and drawn,
+    with the named link's red boxes on screen, and the console stays clean."""
+    from PIL import Image
+    from test_export_links import hung_link_store
+    from ccld.export import report_links as rl
+    page = tmp_path / "report.html"
+    rp.write_report(str(hung_link_store(tmp_path / "store")), str(page))
+    shot = tmp_path / "shot.png"
+    tall = tmp_path / "tall"
+    tall.mkdir()
+    dom, console = open_page(browser, page, tall, shot=shot, window=(WINDOW[0], 4000))
+    ours = [c for c in console if page.as_uri() in c or "Uncaught" in c or "ERROR:CONSOLE" in c]
+    assert ours == [], "\n".join(ours)
+    imgs = Imgs(dom).imgs
+    assert {"links", "links-retrans"} <= set(imgs) and imgs["links"]["data-marked"] == "1-2 2-1"
+    px = np.asarray(Image.open(shot).convert("RGB"), dtype=np.uint32).reshape(-1, 3)
+    red = rgb(rl.FINDING_COLOUR)
+    boxed = int(np.sum((px[:, 0] == red[0]) & (px[:, 1] == red[1]) & (px[:, 2] == red[2])))
+    drawn = 0  # red pixels of the boxes in the two images as written: all of them must be on screen
+    for id_ in ("links", "links-retrans"):
+        im = np.asarray(decode_png(imgs[id_]), dtype=np.uint32).reshape(-1, 3)
+        drawn += int(np.sum((im[:, 0] == red[0]) & (im[:, 1] == red[1]) & (im[:, 2] == red[2])))
+    box = [int(v) for v in imgs["links"]["data-box"].split(",")]
+    assert drawn >= 2 * 2 * 4 * (box[2] - box[0]) / 4  # 2 images x 2 boxes x 4 sides of a cell, 1 px or more
+    assert boxed >= drawn, f"{boxed} red px on screen, {drawn} in the images"

@@ -35,6 +35,14 @@ ONE_OF_EACH = [
     ev.QpInfo(pid=100, rank=3, ts_ns=23, qp_num=0x11, state="RTR", dest_qp_num=0x22,
               dgid="fe800000000000000000000000000001", dlid=4, port=1, call="ibv_modify_qp"),
     ev.NicCounters(ts_ns=24, device="mlx5_0", port=1, counters={"port_xmit_wait": 12, "symbol_error": 0}),
+    ev.GpuKernel(pid=100, rank=3, ts_ns=25, end_ns=26, device=0, stream=13, corr=4242,
+                 name="ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", launch_tid=101,
+                 launch_ns=24, nccl=True, op="allreduce", redop="sum", dtype="float32", algo="RING", proto="LL"),
+    ev.GpuMemop(pid=100, rank=3, ts_ns=27, end_ns=28, device=0, stream=13, corr=4243, op="memcpy", nbytes=1 << 20,
+                copy_kind=8, launch_tid=101, launch_ns=26),
+    ev.GpuLoss(pid=100, rank=3, ts_ns=29, counters={"cupti_dropped": 5, "queue_dropped": 0}),
+    ev.ClockSync(ts_ns=30, ref_ns=29, offset_ns=-3_000_000_000, drift_ppb=-25_000, uncertainty_ns=41_000,
+                 rtt_min_ns=80_000, residual_ns=1_000, samples=30, epoch=7),
 ]
 
 

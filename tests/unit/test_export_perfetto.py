@@ -389,6 +389,11 @@ def test_hostile_events_are_counted_not_fatal(tmp_path):
            {"k": "coll", **dict(base, op=7, comm={"x": 1}), "ts_ns": a.mono(t + 0.2), "seq": 11},
            {"k": "end", "pid": 1000, "rank": 0, "ts_ns": a.mono(t + 0.3), "comm": {"x": 1}, "seq": 11},
            {"k": "loss", "ts_ns": a.mono(t), "counters": {"x": "many", 3: 4}},
+           {"k": "link", "pid": 1000, "rank": 0, "ts_ns": a.mono(t), "saddr": ["x"], "sport": 1, "daddr": "y",
+            "dport": 2, "tx_bytes": 5},
+           {"k": "link", "pid": 1000, "rank": 0, "ts_ns": a.mono(t), "saddr": "x", "sport": 1, "daddr": "y",
+            "dport": 2, "tx_bytes": "lots"},
+           {"k": "sched", "pid": 1000, "rank": 0, "ts_ns": a.mono(t), "runq_ns": None},
            {"k": "coll"}, {"k": None}, {"k": "from-the-future", "x": 1}, [1, 2], "str", None,
            a.clock(t + 0.4).to_wire()]
     frame = msgpack.packb({"v": [1, 0], "agent": a.agent, "node": a.node, "batch": 99, "events": bad})
@@ -403,7 +408,7 @@ def test_hostile_events_are_counted_not_fatal(tmp_path):
         out = tmp_path / name
         stats = export(str(tmp_path / "s"), str(out), findings=[])
         assert stats["frames_rejected"] == {"not-msgpack": 1, "version": 1}
-        assert stats["bad_events"] >= 8 and stats["skipped_events"] == 1
+        assert stats["bad_events"] >= 11 and stats["skipped_events"] == 1
         if name.endswith(".json"):
             json.loads(out.read_text())
         else:

@@ -210,3 +210,157 @@ def test_ranks_of_a_silent_agent_are_not_judged():
     assert hangs(tl, t + 8) == []
     job.feed(tl, t + 8.1)  # agent-1 is back (rank 2 still has not entered)
     assert [f.ranks for f in hangs(tl, t + 8.2)] == [[2]]
+
+
+# ---- what the missing rank is doing instead -------------------------------------------------------
+
+def subgroups(job, t, names=("job/gloo:1", "job/gloo:2"), ranks=(0, 1)):
+    """Ranks `ranks` build the subgroups `names` (group size len(ranks)), as new_group does."""
+    for name in names:
+        for gr, r in enumerate(ranks):
+            job._put(r, ev.CommInit(pid=job.pid[r], rank=r, ts_ns=job.ts(r, t), backend="gloo", comm=name,
+                                    group_rank=gr, group_size=len(ranks)))
+
+
+def sub_collective(job, name, seq, t, ranks=(0, 1), finish=True):
+    for r in ranks:
+        job.enter(r, seq, t, comm=name)
+    if finish:
+        for r in ranks:
+            job._put(r, ev.WorkEnd(pid=job.pid[r], rank=r, ts_ns=job.ts(r, t + 0.002), comm=name, seq=seq))
+
+
+def test_a_rank_waiting_in_another_communicator_says_where_and_for_whom():
+    job, tl = SynthJob(), Timeline()
+    job.announce(T0)
+    subgroups(job, T0)
+    t = job.steps(1, 20, T0 + 1)
+    for i in range(1, 11):
+        sub_collective(job, "job/gloo:1", i, T0 + 0.1 * i)
+    # rank 1 enters gloo:1 seq 11 and waits there for rank 0, which never comes; ranks 0, 2, 3 wait in gloo:0
+    sub_collective(job, "job/gloo:1", 11, t + 0.05, ranks=(1,), finish=False)
+    for r in (0, 2, 3):
+        job.enter(r, 21, t + 0.1)
+    job.state(0, t + 1, "S", "hrtimer_nanosleep", cpu_ns=10**9)
+    job.feed(tl, t + 1)
+    got = {f.comm: f for f in hangs(tl, t + 6.5)}
+    f, g = got["job/gloo:0"], got["job/gloo:1"]
+    assert (f.cls, f.ranks, f.comm, f.seq) == ("not-entered", [1], "job/gloo:0", 21)
+    # and the other side of it: gloo:1 seq 11 waits for rank 0, which is in gloo:0 seq 21
+    assert (g.cls, g.ranks, g.seq) == ("not-entered", [0], 11) and g.evidence["deadlock"] is True
+    assert g.evidence["ranks"][0]["doing_text"] == "in gloo:0 seq 21 allreduce"
+    (d,) = f.evidence["ranks"]
+    assert d["doing"] == "in-collective" and d["doing_text"] == "in gloo:1 seq 11 allreduce"
+    hop, back = f.evidence["wait_chains"]["1"]["hops"]
+    assert (hop["rank"], hop["comm"], hop["seq"], hop["waits_for"]) == (1, "job/gloo:1", 11, [0])
+    assert (back["rank"], back["comm"], back["seq"], back["waits_for"]) == (0, "job/gloo:0", 21, [1])
+    assert f.evidence["deadlock"] is True  # rank 0, which gloo:1 waits for, waits here in gloo:0
+    assert "in gloo:1 seq 11 allreduce" in format_line(f) and "deadlock" in format_line(f)
+
+
+def test_two_subgroups_waiting_on_each_other_is_a_deadlock_on_both():
+    job, tl = SynthJob(), Timeline()
+    job.announce(T0)
+    subgroups(job, T0)
+    t = job.steps(1, 20, T0 + 1)
+    for i in range(1, 6):
+        sub_collective(job, "job/gloo:1", i, T0 + 0.1 * i)
+        sub_collective(job, "job/gloo:2", i, T0 + 0.1 * i + 0.01)
+    job.enter(0, 6, t, comm="job/gloo:1")   # rank 0: gloo:1 first, then gloo:2
+    job.enter(1, 6, t, comm="job/gloo:2")   # rank 1: the other way round
+    job.feed(tl, t + 1)
+    got = {f.comm: f for f in hangs(tl, t + 6)}
+    assert set(got) == {"job/gloo:1", "job/gloo:2"}
+    assert got["job/gloo:1"].ranks == [1] and got["job/gloo:2"].ranks == [0]
+    for f in got.values():
+        assert f.cls == "not-entered" and f.evidence["deadlock"] is True
+        assert f.evidence["ranks"][0]["doing"] == "in-collective"
+
+
+def test_what_a_missing_rank_does_io_and_sleeping():
+    from ccld.diagnose import hang
+    job, tl, t = rank2_missing_57(state="D", wchan="folio_wait_bit")
+    # disk I/O is work (a checkpoint to slow storage looks like this): a pause first ...
+    assert hangs(tl, t + 6.2) == []
+    (p,) = Diagnoser(tl).find_slow(t + 6.2)
+    assert p.evidence["informational"] and p.evidence["ranks"][0]["doing"] == "io"
+    # ... a hang when it lasts far longer than the job has ever waited
+    for i in range(4, int(hang.BUSY_FLOOR_S) + 2):  # agents keep sending (heartbeat frames)
+        job.feed(tl, t + i)
+    (f,) = hangs(tl, t + hang.BUSY_FLOOR_S + 1)
+    d = f.evidence["ranks"][0]
+    assert (f.cls, d["doing"], d["doing_text"]) == ("not-entered", "io", "blocked in I/O (folio_wait_bit)")
+    assert "wait_chains" not in f.evidence
+    job, tl, t = rank2_missing_57()
+    d = hangs(tl, t + 6.2)[0].evidence["ranks"][0]
+    assert d["doing"] == "sleeping" and "hrtimer_nanosleep" in d["doing_text"]
+
+
+def busy_rank0(seconds, cpu_share=0.95):
+    """Rank 0 busy on CPU (a checkpoint) while ranks 1-3 wait in seq 57 for `seconds`."""
+    job, tl, t = run_to(56)
+    for r in (1, 2, 3):
+        job.enter(r, 57, t)
+    for i in range(int(seconds) + 1):
+        job.state(0, t + i, "R" if cpu_share else "S", "", cpu_ns=int(cpu_share * i * 1e9))
+        job.feed(tl, t + i)
+    return job, tl, t
+
+
+def test_a_checkpoint_that_alternates_cpu_disk_and_short_sleeps_stays_a_pause():
+    # one /proc sample in three shows it asleep (between writes): judged over the wait, still working
+    job, tl, t = run_to(56)
+    for r in (1, 2, 3):
+        job.enter(r, 57, t)
+    d, kinds = Diagnoser(tl), set()
+    for i in range(40):
+        job.state(0, t + i, ("R", "D", "S")[i % 3], "", cpu_ns=int(0.4 * i * 1e9))
+        job.feed(tl, t + i)
+        kinds |= {(f.kind, f.cls) for f in d.find_hangs(t + i + 0.5) + d.find_slow(t + i + 0.5)}
+    assert kinds == {("slow", "comp-slow")}
+
+
+def test_a_busy_rank_is_a_pause_not_a_hang_until_far_beyond():
+    from ccld.diagnose import hang
+    job, tl, t = busy_rank0(20)
+    d = Diagnoser(tl)
+    assert d.find_hangs(t + 20) == []
+    (p,) = d.find_slow(t + 20)
+    assert (p.kind, p.cls, p.ranks, p.seq) == ("slow", "comp-slow", [0], 57)
+    assert p.evidence["informational"] is True and p.evidence["reason"] == "pause"
+    assert p.evidence["ranks"][0]["doing"] == "busy" and p.evidence["hang_after_s"] == hang.BUSY_FLOOR_S
+    assert format_line(p).startswith("INFO comp-slow") and "not a hang" in format_line(p)
+    job, tl, t = busy_rank0(hang.BUSY_FLOOR_S + 2)
+    (f,) = hangs(tl, t + hang.BUSY_FLOOR_S + 2)
+    assert (f.cls, f.ranks, f.evidence["ranks"][0]["doing"]) == ("not-entered", [0], "busy")
+    # a sleeping rank is not given that grace
+    job, tl, t = busy_rank0(8, cpu_share=0.0)
+    assert hangs(tl, t + 8)[0].ranks == [0]
+
+
+def test_a_collective_that_failed_is_a_fault_of_the_rank_that_died_at_once():
+    job, tl, t = run_to(56)
+    for r in range(4):
+        job.enter(r, 57, t)
+    for r in (0, 2, 3):  # they lost their peer: gloo errors out
+        job.end(r, 57, t + 0.2, ok=False)
+    job.exit(1, t + 0.9)
+    job.feed(tl, t + 1)
+    assert hangs(tl, t + 1.0) == []     # the other ends may still be on their way
+    (f,) = hangs(tl, t + 1.5)           # no 5 s wait: an error is not a wait
+    assert (f.cls, f.ranks, f.seq) == ("fault", [1], 57)
+    assert f.evidence["reason"] == "exited" and f.evidence["failed_ranks"] == [0, 2, 3]
+    assert f.evidence["never_ended"] == [1] and f.evidence["sizes_known"] is False
+    assert f.onset_at == pytest.approx(t + 0.2, abs=1e-5)
+    assert "errors on [0,2,3]" in format_line(f)
+
+
+def test_failures_on_every_rank_blame_the_failed_ones():
+    job, tl, t = run_to(56)
+    for r in range(4):
+        job.enter(r, 57, t)
+    for r in range(4):
+        job.end(r, 57, t + 0.2, ok=r not in (1, 2))
+    job.feed(tl, t + 1)
+    (f,) = hangs(tl, t + 2)
+    assert (f.cls, f.ranks, f.evidence["reason"]) == ("fault", [1, 2], "failed")

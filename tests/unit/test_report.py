@@ -12,6 +12,7 @@ import pytest
 from ccld.cli import main
 from ccld.collector.store import StoreWriter
 from ccld.export import report as rp
+from ccld.export import report_links as rl
 
 from ccld_synth import T0, SynthJob
 
@@ -114,7 +115,8 @@ def made(tmp_path_factory):
 def test_report_is_one_self_contained_file(made):
     s, text = made.summary, made.html
     assert s["path"] == str(made.dir / "out" / "report.html") and s["bytes"] == len(text.encode())
-    assert (s["ranks"], s["comms"], s["collectives"], s["findings"], s["active"]) == (4, 1, HUNG_SEQ, 1, 1)
+    # two findings: rank 2's hang, and rank 1 late at every collective (comp-slow)
+    assert (s["ranks"], s["comms"], s["collectives"], s["findings"], s["active"]) == (4, 1, HUNG_SEQ, 2, 2)
     assert not (made.dir / "out" / "report.html.tmp").exists()
     for tag, attrs in made.page.tags:
         for name in ("src", "href", "srcset", "data", "action", "poster"):
@@ -130,14 +132,16 @@ def test_report_is_one_self_contained_file(made):
 def test_report_shows_the_finding_with_its_evidence(made):
     text = " ".join(made.page.text)
     assert "HANG not-entered [2] gloo:0 seq 57 allreduce" in text
-    kv = re.search(r"kind / class\s*hang / not-entered.*?culprit ranks\s*2\s*communicator\s*job/gloo:0\s*"
+    assert "SLOW comp-slow [1] gloo:0 allreduce" in text
+    kv = re.search(r"kind / class\s*hang / not-entered.*?culprit ranks\s*2\s*link\s*-\s*communicator\s*job/gloo:0\s*"
                    r"seq\s*57\s*op\s*allreduce\s*onset.*?time to detect\s*5\.\d\d s", text, re.S)
     assert kv, text
     assert re.search(r"waiting ranks\s*0, 1, 3", text)
     # what the culprit is doing: state, wchan, last collective
     assert re.search(r"2\s*S \(sleeping\)\s*hrtimer_nanosleep\s*seq 56 allreduce", text)
-    assert "1 active finding" in text
+    assert "2 active findings" in text
     assert "no link data in this store (network probes not enabled)" in text
+    assert "CPU runqueue wait" not in text  # no SchedStats in this store
     assert f"ccld export {made.store} --perfetto out.pftrace" in text and "ui.perfetto.dev" in text
 
 
@@ -202,7 +206,7 @@ def test_report_verb(made, tmp_path, capsys):
     assert main(["report", str(made.store), "-o", str(out)]) == 0
     line = capsys.readouterr().out.strip()
     assert line == (f"ccld report: {out} ({out.stat().st_size // 1024} KiB): 4 ranks, 1 communicators, "
-                    f"{HUNG_SEQ} collectives, 1 finding (1 active)")
+                    f"{HUNG_SEQ} collectives, 2 findings (2 active)")
     assert main(["report", str(made.store), "-o", str(out), "--comm", "nope"]) == 1
     assert "no communicator 'nope'" in capsys.readouterr().err
 
@@ -225,7 +229,7 @@ def test_big_job_is_drawn_within_bounds(tmp_path, monkeypatch):
         out += [(t + 0.5 * i, f) for f in job.frames(t + 0.5 * i)]
     _write(tmp_path / "s", out)
     s = rp.write_report(str(tmp_path / "s"), str(tmp_path / "r.html"))
-    assert s["findings"] == 1 and s["collectives"] == 241
+    assert s["findings"] == 2 and s["collectives"] == 241  # rank 17's hang, and rank 13 late (comp-slow)
     heat = s["heatmap"]
     assert heat["seqs"] == list(range(42, 242))       # the newest MAX_HEATMAP_COLLS
     assert len(heat["ranks"]) == 8 and {13, 17} <= set(heat["ranks"])  # the culprit and the straggler
@@ -233,3 +237,45 @@ def test_big_job_is_drawn_within_bounds(tmp_path, monkeypatch):
     png = decode_png(page.img("heatmap"))
     assert png.getpixel(cell_centre(page.img("heatmap"), 17, 241)) == rgb(rp.MISSING_COLOUR)
     assert "Lines for 12 of 20 ranks" in " ".join(page.text)
+
+
+def test_link_section_draws_bytes_and_retransmissions_and_boxes_the_named_link(tmp_path):
+    """A hang whose cause is link 1-2 (it keeps retransmitting): MiB and retransmission heatmaps per
+    directed pair, the link's cells (both directions) boxed in red, its numbers in the table."""
+    from test_export_links import hung_link_store
+    s = rp.write_report(str(hung_link_store(tmp_path / "s")), str(tmp_path / "r.html"))
+    text = (tmp_path / "r.html").read_text()
+    page = Page(text)
+    assert s["links"] is True and "no link data" not in text
+    words = "".join(page.text)
+    assert "Job job: 4 directed rank pairs over TCP" in words and "link 1 ↔ 2 named by HANG fault" in words
+    assert re.search(r"1 -> 2\s*0\.0\s*10\s*0", words)  # the table: MiB sent, retransmissions, resets
+    red = rgb(rl.FINDING_COLOUR)
+    for id_, alt in (("links", "MiB sent"), ("links-retrans", "TCP retransmissions")):
+        img = page.img(id_)
+        png = decode_png(img)
+        assert png.size == (int(img["width"]), int(img["height"])) and img["alt"].startswith(alt)
+        assert img["data-ranks"] == "0,1,2,3" and img["data-marked"] == "1-2 2-1"
+        x0, y0, x1, y1 = (int(v) for v in img["data-box"].split(","))
+        cell = (x1 - x0) / 4
+
+        def px(row, col, dx):  # on the left edge of a cell (dx=0) or in its middle (dx=0.5)
+            return png.getpixel((int(x0 + (col + dx) * cell), int(y0 + (row + 0.5) * cell)))
+        assert px(1, 2, 0) == red and px(2, 1, 0) == red          # the named link, both directions
+        assert px(0, 1, 0) != red and px(2, 3, 0) != red          # the others are not boxed
+        assert px(1, 0, 0.5) == rgb(rl.NO_DATA_COLOUR)  # rank 1 sent nothing to rank 0
+    png = decode_png(page.img("links-retrans"))  # 10 retransmissions on 1->2: the darkest cell
+    hot, cool = (png.getpixel((int(x0 + (c + 0.5) * cell), int(y0 + (r + 0.5) * cell))) for r, c in ((1, 2), (0, 1)))
+    assert sum(hot) < sum(cool) - 300
+
+
+def test_runqueue_wait_line_in_the_health_summary(tmp_path):
+    from test_export_links import link_store
+    rp.write_report(str(link_store(tmp_path / "s")), str(tmp_path / "r.html"))
+    page = Page((tmp_path / "r.html").read_text())
+    words = "".join(page.text)
+    assert re.search(r"CPU runqueue wait \(runnable, waiting for a CPU\) per rank: most on rank 3 "
+                     r"\(1\d\.\d% of the recording\), median 0\.0% over 4 ranks", words), words
+    # rank 3 first (most waiting): 0.7 s in all, 20% between its last two reports
+    assert re.search(r"3\s*node1\s*0\.70\s*1\d\.\d%\s*20\.0%", words)
+    assert page.img("links") and page.img("links-retrans")

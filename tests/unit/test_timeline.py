@@ -154,6 +154,17 @@ def test_collectives_per_comm_are_bounded(monkeypatch):
     assert tl.anomalies["late-event"] == 1 and 3 not in comm.colls
 
 
+def test_big_groups_keep_fewer_collectives(monkeypatch):
+    # A collective holds an entry per member: the bound is on entries, so 16 ranks keep 64 / 16 = 4.
+    monkeypatch.setattr(tlm, "MAX_RANK_ENTRIES_PER_COMM", 64)
+    monkeypatch.setattr(tlm, "MIN_COLLS_PER_COMM", 2)
+    job, tl = SynthJob(world=16, nodes=2), Timeline()
+    job.announce(T0)
+    for seq in range(1, 21):
+        job.feed(tl, job.collective(seq, T0 + 1 + seq * 0.01))
+    assert sorted(tl.comms[job.comm].colls) == [17, 18, 19, 20]
+
+
 def test_restarted_rank_resets_its_comm():
     job, tl = SynthJob(), Timeline()
     job.announce(T0)

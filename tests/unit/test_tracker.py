@@ -76,3 +76,52 @@ def test_class_change_on_the_same_ranks_supersedes_without_recovery():
     assert [f.cls for f in new] == ["fault"] and rec == []
     new, rec = tr.update([], 12.0)
     assert new == [] and [r["class"] for r in rec] == ["fault"]
+
+
+def slow_finding(ranks=(2,), cls="comp-slow", summary="rank 2 ~50 ms late", comm="job/gloo:0", seq=-1):
+    return Finding(kind="slow", cls=cls, ranks=list(ranks), comm=comm, seq=seq, op="allreduce",
+                   onset_at=1.0, detected_at=10.0, evidence={"summary": summary})
+
+
+def test_a_slowdown_whose_story_changes_is_updated_not_repeated():
+    tr = FindingTracker(min_update_gap_s=5.0)
+    first = tr.step([slow_finding()], 10.0).new[0]
+    assert tr.step([slow_finding()], 11.0).updated == []                      # same story: silence
+    assert tr.step([slow_finding(summary="rank 2 ~100 ms late")], 12.0).updated == []  # too soon after
+    (u,) = tr.step([slow_finding(summary="rank 2 ~100 ms late")], 15.5).updated
+    assert (u["kind"], u["id"], u["summary"]) == ("updated", first.id, "rank 2 ~100 ms late")
+    assert format_line(u) == "UPDATED comp-slow [2] gloo:0: rank 2 ~100 ms late"
+    # the localiser names other ranks now: the same slowdown, updated; its id and onset stay
+    (u,) = tr.step([slow_finding(ranks=(2, 3), summary="rank 2 ~100 ms late")], 21.0).updated
+    assert u["ranks"] == [2, 3] and u["id"] == first.id and tr.active[("comp-slow", "job/gloo:0", -1, ())].onset_at == 1.0
+
+
+def test_a_slowdown_is_over_only_after_it_stayed_away():
+    tr = FindingTracker(slow_clear_s=10.0)
+    tr.step([slow_finding()], 10.0)
+    for now in (11.0, 15.0):
+        assert tr.step([], now).recovered == []
+    assert tr.step([slow_finding()], 16.0).new == []      # back before the clear time: the same one
+    assert tr.step([], 17.0).recovered == []
+    (r,) = tr.step([], 27.5).recovered
+    assert r["class"] == "comp-slow" and r["recovered_at"] == 27.5
+
+
+def test_a_pause_that_becomes_a_hang_is_superseded_silently():
+    tr = FindingTracker()
+    pause = Finding(kind="slow", cls="comp-slow", ranks=[0], comm="job/gloo:0", seq=57, op="allreduce",
+                    onset_at=1.0, detected_at=7.0, evidence={"informational": True, "summary": "pause"})
+    tr.step([pause], 7.0)
+    ch = tr.step([finding(ranks=(0,), seq=57)], 130.0)
+    assert [f.cls for f in ch.new] == ["not-entered"] and ch.recovered == []
+    ch = tr.step([], 131.0)   # and a pause that simply ends is over at once (it has a seq)
+    assert [r["class"] for r in ch.recovered] == ["not-entered"]
+    tr.step([pause], 140.0)
+    assert [r["class"] for r in tr.step([], 141.0).recovered] == ["comp-slow"]
+
+
+def test_comp_slow_growing_into_mixed_slow_is_superseded():
+    tr = FindingTracker(slow_clear_s=0.0)
+    tr.step([slow_finding()], 10.0)
+    ch = tr.step([slow_finding(ranks=(1, 2), cls="mixed-slow")], 11.0)
+    assert [f.cls for f in ch.new] == ["mixed-slow"] and ch.recovered == []
