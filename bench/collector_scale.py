@@ -201,7 +201,7 @@ is queued. Collector in this process, storing to disk. Latency: frame built -> t
 
 Goals: >= 1,000,000 events/s on one core; p99 <= 100 ms at 4,096 ranks; memory bounded and stated per rank;
 tick <= 20 ms at 4,096 and <= 100 ms at 16,384. The collector decodes and files every event in Python
-(~6 us to decode and ~11 us to file one on this box): it is about 15x short of the ingest goal, so any
+(~6 us to decode and ~11 us to file one on this box): it is about 10x short of the ingest goal, so any
 offered load above its rate queues in ZeroMQ (bounded per agent by RCVHWM) and latency grows with the
 backlog. Memory is bounded by the timeline's per-communicator bounds (at most ~1M per-rank entries per
 communicator), not by the run's length."""
