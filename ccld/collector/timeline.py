@@ -63,6 +63,10 @@ class RankRecord:
     runq_share: Optional[float] = None  # runqueue seconds per second between the last two reports
     sched_at: Optional[float] = None
 
+    def saw(self, t: float) -> None:
+        """An event of this process at `t`: keeps the newest (frames can arrive out of order)."""
+        self.last_event_at = t if self.last_event_at is None else max(self.last_event_at, t)
+
     def stopped(self) -> bool:
         return self.state in ("T", "t")
 
@@ -197,7 +201,7 @@ class Timeline:
         elif isinstance(e, ev.LinkStats):
             rec = self.ranks.get((node, e.pid))
             if rec is not None:
-                rec.last_event_at = t if rec.last_event_at is None else max(rec.last_event_at, t)
+                rec.saw(t)
             self.links.update(node, rec.job if rec else "", e, t, lambda ns: self.clock.to_unix(agent, ns))
         elif isinstance(e, ev.SchedStats):
             self._sched(node, e, t)
@@ -226,7 +230,7 @@ class Timeline:
                 return
             rec = self.ranks[(node, e.pid)] = RankRecord(node=node, pid=e.pid, agent=agent)
         rec.rank, rec.world_size, rec.local_rank, rec.job = e.rank, e.world_size, e.local_rank, e.job
-        rec.last_event_at = t if rec.last_event_at is None else max(rec.last_event_at, t)
+        rec.saw(t)
         if e.world_size > 0:
             self.jobs[e.job] = max(self.jobs.get(e.job, 0), e.world_size)
         else:
@@ -244,14 +248,14 @@ class Timeline:
             rec.runq_share = (e.runq_ns - rec.runq_ns) / 1e9 / (t - rec.sched_at)
         rec.runq_ns, rec.runq_waits, rec.offcpu_ns = e.runq_ns, e.runq_waits, e.offcpu_ns
         rec.runq_max_ns, rec.sched_at = e.runq_max_ns, t
-        rec.last_event_at = t if rec.last_event_at is None else max(rec.last_event_at, t)
+        rec.saw(t)
 
     def _rank_event(self, agent: str, node: str, e: ev.Event, t: float) -> None:
         rec = self.ranks.get((node, e.pid))
         if rec is None:
             self.anomalies["unknown-pid"] += 1  # no RankInfo (yet) for this process
         else:
-            rec.last_event_at = t if rec.last_event_at is None else max(rec.last_event_at, t)
+            rec.saw(t)
         rank = e.rank if e.rank >= 0 else (rec.rank if rec else -1)
         if isinstance(e, ev.RankState):
             if rec is not None:
