@@ -8,17 +8,17 @@ Budget on 2 vCPUs: a 4-rank torchrun starts in ~10-15 s.
 """
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
 from conftest import bpf_skip_reason, free_port, gloo_job_cmd, torch_skip_reason
-from ccld.tracer import discover
+from fault_scenarios import Session
 
 pytestmark = pytest.mark.e2e
 
@@ -37,54 +37,17 @@ def _need_root_and_torch():
         pytest.skip(reason)
 
 
-class Procs:
-    """Starts processes tagged with a unique env var; kills every tagged process on teardown."""
+class Procs(Session):
+    """fault_scenarios.Session (tagged processes, all killed on teardown) with the pathlib paths these
+    tests read: `tmp` and each log are Paths."""
 
     def __init__(self, tmp_path):
-        self.tag = uuid.uuid4().hex
+        super().__init__(tmp_path)
         self.tmp = tmp_path
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CCLD_TEST_TAG=self.tag)
-        self.started = []
 
     def start(self, name, cmd):
-        log = self.tmp / f"{name}.log"
-        p = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=self.env,
-                             start_new_session=True, cwd=str(self.tmp))
-        self.started.append(p)
-        return p, log
-
-    def tagged(self):
-        """Every live process whose environment carries this test's tag (ccld itself reads only the
-        variables it needs, so the test reads /proc/PID/environ on its own)."""
-        out, needle = [], f"CCLD_TEST_TAG={self.tag}".encode()
-        for pid in discover.all_pids():
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        out.append(pid)
-            except OSError:
-                pass
-        return out
-
-    def rank_pid(self, rank):
-        for pid in self.tagged():
-            ident = discover.identify(pid)
-            if ident is not None and ident.rank == rank:
-                return pid
-        return None
-
-    def cleanup(self):
-        for pid in self.tagged():
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        for p in self.started:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+        p, log = super().start(name, cmd)
+        return p, pathlib.Path(log)
 
 
 @pytest.fixture
