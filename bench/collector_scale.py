@@ -47,7 +47,8 @@ JOB = "scale:29500"
 
 # ---- a sender process: a share of the nodes ------------------------------------------------------------
 
-def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float, seconds: float) -> None:
+def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float, seconds: float,
+           columns: bool = True) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 64)
@@ -68,7 +69,8 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
         seq_world += len(seqs)
         now_ns, wall_ns = time.monotonic_ns(), time.time_ns()
         for n in nodes:
-            evs: List[Dict[str, Any]] = []
+            # the clock sample first, as the shipper sends its ClockSync: the frame's events convert with it
+            evs: List[Dict[str, Any]] = [{"k": "clock", "mono_ns": now_ns, "wall_ns": wall_ns, "ts_ns": now_ns}]
             node = f"node{n}"
             if first:
                 for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE):
@@ -78,25 +80,38 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
                         evs.append(ev.CommInit(pid=1000 + r, rank=r, ts_ns=now_ns, backend="gloo", comm=comm,
                                                group_rank=r if size == world else r % RANKS_PER_NODE,
                                                group_size=size).to_wire())
-            for s in seqs:
-                for comm, seq in ((world_comm, s), (f"{JOB}/gloo:{1 + n}", s)):
-                    for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE):
+            blocks: List[Dict[str, Any]] = []
+            node_ranks = range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)
+            for comm in (world_comm, f"{JOB}/gloo:{1 + n}"):
+                rows = []  # (seq, pid, rank, enter ns) in seq order, as the shipper sorts them
+                for s in seqs:
+                    for r in node_ranks:
                         lag = int(((r * 7919) % world) / world * 2e6 + rnd.random() * 1e6)  # ring order + noise
-                        t = now_ns - 50_000_000 + lag
-                        evs.append({"k": "coll", "pid": 1000 + r, "rank": r, "ts_ns": t, "backend": "gloo",
+                        rows.append((s, 1000 + r, r, now_ns - 50_000_000 + lag))
+                if not rows:
+                    continue
+                seq_c, pid_c, rank_c, t_c = (list(c) for c in zip(*rows))
+                if columns:
+                    for kind, same, dt in (("coll", {"backend": "gloo", "comm": comm, "op": "allreduce"}, 0),
+                                           ("start", {"comm": comm}, 3_000_000), ("end", {"comm": comm}, 8_000_000)):
+                        cols = {"seq": seq_c, "pid": pid_c, "rank": rank_c, "ts_ns": [t + dt for t in t_c]}
+                        blocks.append({"k": kind, "n": len(rows), "at": len(evs), "same": same, "cols": cols})
+                else:
+                    for seq, pid, r, t in rows:
+                        evs.append({"k": "coll", "pid": pid, "rank": r, "ts_ns": t, "backend": "gloo",
                                     "comm": comm, "seq": seq, "op": "allreduce"})
-                        evs.append({"k": "start", "pid": 1000 + r, "rank": r, "ts_ns": t + 3_000_000,
-                                    "comm": comm, "seq": seq})
-                        evs.append({"k": "end", "pid": 1000 + r, "rank": r, "ts_ns": t + 8_000_000,
-                                    "comm": comm, "seq": seq})
-            evs.append({"k": "clock", "mono_ns": now_ns, "wall_ns": wall_ns, "ts_ns": now_ns})
+                        evs.append({"k": "start", "pid": pid, "rank": r, "ts_ns": t + 3_000_000, "comm": comm, "seq": seq})
+                        evs.append({"k": "end", "pid": pid, "rank": r, "ts_ns": t + 8_000_000, "comm": comm, "seq": seq})
             batch_no[n] += 1
-            frame = msgpack.packb({"v": [ev.SCHEMA_MAJOR, ev.SCHEMA_MINOR], "agent": f"agent-{n}", "node": node,
-                                   "batch": batch_no[n], "events": evs}, use_bin_type=True)
+            env = {"v": [ev.SCHEMA_MAJOR, ev.SCHEMA_MINOR], "agent": f"agent-{n}", "node": node,
+                   "batch": batch_no[n], "events": evs}
+            if blocks:
+                env["blocks"] = blocks
+            frame = msgpack.packb(env, use_bin_type=True)
             try:
                 sock.send(frame, zmq.NOBLOCK)
                 sent += 1
-                events += len(evs)
+                events += len(evs) + sum(b["n"] for b in blocks)
             except zmq.Again:
                 dropped += 1  # the real shipper would keep the events in its bounded queue; here: counted
         first = False
@@ -109,16 +124,19 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
 
 # ---- one run at one size -------------------------------------------------------------------------------
 
-def run(ranks: int, seconds: float, rate: float) -> Dict[str, Any]:
+def run(ranks: int, seconds: float, rate: float, columns: bool = True) -> Dict[str, Any]:
     from ccld.collector.server import Collector
     nodes = ranks // RANKS_PER_NODE
     store = tempfile.mkdtemp(prefix="ccld-scale-")
     col = Collector(listen="tcp://127.0.0.1:*", store_dir=store, on_line=lambda s: None)
     lat: List[float] = []
+    ingest_thread: List[Any] = [None]
     real_ingest = col.timeline.ingest
 
     def ingest(batch, recv_unix):  # the frame's clock sample was stamped when the sender built it
-        for e in batch.events:
+        if ingest_thread[0] is None:
+            ingest_thread[0] = threading.get_native_id()
+        for e in batch.plain:
             if e.KIND == "clock":
                 lat.append(recv_unix - e.wall_ns / 1e9)
         real_ingest(batch, recv_unix)
@@ -140,7 +158,8 @@ def run(ranks: int, seconds: float, rate: float) -> Dict[str, Any]:
     share = [list(range(i, nodes, SENDERS)) for i in range(SENDERS)]
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--sender", col.endpoint, "--index", str(i),
                                "--nodes", ",".join(map(str, share[i])), "--world", str(ranks), "--rate", str(rate),
-                               "--seconds", str(seconds)], stdout=subprocess.PIPE, text=True)
+                               "--seconds", str(seconds)] + ([] if columns else ["--rows"]),
+                              stdout=subprocess.PIPE, text=True)
              for i in range(SENDERS) if share[i]]
     t0 = time.monotonic()
     outs = [json.loads(p.stdout.readline()) for p in procs]
@@ -162,6 +181,7 @@ def run(ranks: int, seconds: float, rate: float) -> Dict[str, Any]:
             ticks.append(time.perf_counter() - t)
     rss1 = proc.memory_info().rss
     cpu1 = proc.cpu_times()
+    thread_cpu = next((t.user_time + t.system_time for t in proc.threads() if t.id == ingest_thread[0]), None)
     stop.set()
     col.stop()
     ingested = sum(col.timeline.events_by_kind.values())
@@ -173,6 +193,7 @@ def run(ranks: int, seconds: float, rate: float) -> Dict[str, Any]:
             "ingested_during_send_per_s": ingested_at_end / send_s,
             "ingest_per_s": ingested / (send_s + drain_s), "drain_s": drain_s,
             "ingest_per_cpu_s": ingested / busy if busy > 0 else None,
+            "ingest_per_thread_cpu_s": ingested / thread_cpu if thread_cpu else None, "columns": columns,
             "lat_p50_ms": lat[len(lat) // 2] * 1e3 if lat else None,
             "lat_p99_ms": lat[int(len(lat) * 0.99)] * 1e3 if lat else None,
             "rss_growth_mib": (rss1 - rss0) / 2**20, "rss_peak_mib": peak[0] / 2**20,
@@ -214,17 +235,24 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--rate", type=float, default=2.0, help="world collectives per second")
     ap.add_argument("--write-results", action="store_true")
+    ap.add_argument("--rows", action="store_true", help="send every event as its own map (schema <= 1.3 shape) "
+                                                       "instead of column blocks")
+    ap.add_argument("--compare", action="store_true", help="also run the first size with map-shaped events, "
+                                                          "for the ratio in one run")
     ap.add_argument("--sender", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--nodes", default="", help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.sender:
-        sender(a.sender, a.index, [int(x) for x in a.nodes.split(",") if x], a.world, a.rate, a.seconds)
+        sender(a.sender, a.index, [int(x) for x in a.nodes.split(",") if x], a.world, a.rate, a.seconds,
+               columns=not a.rows)
         return
     rows = []
-    for n in (int(x) for x in a.ranks.split(",")):
-        r = run(n, a.seconds, a.rate)
+    sizes = [int(x) for x in a.ranks.split(",")]
+    plan = [(n, not a.rows) for n in sizes] + ([(sizes[0], False)] if a.compare and not a.rows else [])
+    for n, columns in plan:
+        r = run(n, a.seconds, a.rate, columns)
         print(json.dumps(r), flush=True)
         rows.append(r)
     if a.write_results:

@@ -2,9 +2,14 @@
 
 A frame is one MessagePack map (an *envelope*) holding a batch of events:
 
-    {"v": [MAJOR, MINOR], "agent": str, "node": str, "batch": int, "events": [{"k": KIND, ...}, ...]}
+    {"v": [MAJOR, MINOR], "agent": str, "node": str, "batch": int, "events": [{"k": KIND, ...}, ...],
+     "blocks": [...]}
 
-Any MessagePack reader can decode a frame; every event is a plain map whose "k" names its kind.
+Any MessagePack reader can decode a frame; every event is a plain map whose "k" names its kind, except
+the hot collective kinds, which travel as column blocks (optional key "blocks", since 1.4; blocks.py).
+Optional "resend": true, before "events" (also 1.4): the sender numbers its batches 1, 2, 3... per
+agent id and may send a frame again (its spool replays what the collector did not acknowledge), so
+the collector keeps one copy per (agent, batch) (collector/acks.py); unmarked frames are never deduplicated.
 Times: every `ts_ns` is CLOCK_MONOTONIC nanoseconds of the node that made the event (BPF's
 bpf_ktime_get_ns and Python's time.monotonic_ns share that clock). Nothing here converts clocks:
 the collector does that in one place (`collector.clock`), from the agent's `clock` samples.
@@ -29,7 +34,8 @@ import msgpack
 from ccld.errors import CcldError
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 3  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync
+SCHEMA_MINOR = 4  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync;
+                  # 1.4 column blocks (blocks.py) for coll/start/end; the envelope's "resend" flag
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # agents send <= 2,048 events (~300 KiB) a frame; 4 MiB bounds a hostile one
 # 32x the shipper's MAX_BATCH. Checked by the MessagePack reader before it allocates anything: a
 # 16 MiB frame of 16M one-byte junk events once took 7 GiB and 80 s to reject.
@@ -501,21 +507,56 @@ def event_from_wire(d: Any) -> Event:
     return e  # unknown fields are ignored on purpose: a newer minor version may add some
 
 
-@dataclass(frozen=True)
 class Batch:
-    agent: str
-    node: str
-    batch: int
-    version: Tuple[int, int]
-    events: List[Event]
-    skipped: int = 0  # events of kinds this reader does not know (newer minor versions)
-    errors: List[FrameError] = field(default_factory=list)  # bad events dropped; the rest of the frame is kept
-    bad_counts: Dict[str, int] = field(default_factory=dict)  # every bad event by reason (errors keeps the first few)
+    """One decoded frame. `plain` holds the events that came as maps, `blocks` the column blocks
+    (blocks.py); `events` is every event in frame order, built from the blocks on first use (the
+    timeline reads `plain` and `blocks` directly and never pays for that)."""
+    __slots__ = ("agent", "node", "batch", "version", "plain", "blocks", "skipped", "errors", "bad_counts", "_all")
+
+    def __init__(self, agent: str, node: str, batch: int, version: Tuple[int, int], events: List[Event],
+                 skipped: int = 0, errors: Optional[List[FrameError]] = None,
+                 bad_counts: Optional[Dict[str, int]] = None, blocks: Optional[list] = None):
+        self.agent, self.node, self.batch, self.version = agent, node, batch, version
+        self.plain = events
+        self.blocks = blocks or []
+        self.skipped = skipped  # events of kinds this reader does not know (newer minor versions)
+        self.errors = errors if errors is not None else []  # bad events dropped; the rest of the frame is kept
+        self.bad_counts = bad_counts if bad_counts is not None else {}  # every bad event by reason (errors keeps the first few)
+        self._all: Optional[List[Event]] = None
+
+    @property
+    def events(self) -> List[Event]:
+        if not self.blocks:
+            return self.plain
+        if self._all is None:
+            out: List[Event] = []
+            for item in _blocks.in_order(self.plain, self.blocks):
+                if type(item) is tuple:
+                    out.extend(_blocks.run_rows(*item))
+                else:
+                    out.append(item)
+            self._all = out
+        return self._all
+
+    def __len__(self) -> int:
+        """Events in the frame (without building them)."""
+        return len(self.plain) + sum(b.n for b in self.blocks)
 
 
-def encode_batch(agent: str, node: str, batch: int, events: List[Event]) -> bytes:
-    env = {"v": [SCHEMA_MAJOR, SCHEMA_MINOR], "agent": agent, "node": node, "batch": batch,
-           "events": [e.to_wire() for e in events]}
+def encode_batch(agent: str, node: str, batch: int, events: List[Event], columns: bool = True,
+                 resend: bool = False) -> bytes:
+    """One frame. With `columns` (the default) the hot collective kinds go as column blocks (1.4);
+    `resend` marks a frame its sender may send again (deduplicated by the collector)."""
+    if columns:
+        plain, blocks = _blocks.split(events)
+    else:
+        plain, blocks = [e.to_wire() for e in events], []
+    env = {"v": [SCHEMA_MAJOR, SCHEMA_MINOR], "agent": agent, "node": node, "batch": batch}
+    if resend:
+        env["resend"] = True  # before "events": the collector reads it without walking the events
+    env["events"] = plain
+    if blocks:
+        env["blocks"] = blocks
     return msgpack.packb(env, use_bin_type=True)
 
 
@@ -572,4 +613,12 @@ def decode_batch(frame: bytes) -> Batch:
             if len(errors) < MAX_ERRORS_KEPT:
                 errors.append(FrameError(e.reason, f"agent {_show(env['agent'])} batch {env['batch']} "
                                                    f"event #{i}: {e}"))
-    return Batch(env["agent"], env["node"], env["batch"], (v[0], v[1]), events, skipped, errors, bad_counts)
+    blocks: list = []
+    if "blocks" in env:
+        blocks, more = _blocks.read_blocks(env["blocks"], len(env["events"]), v[1], env["agent"], env["batch"],
+                                           errors, bad_counts)
+        skipped += more
+    return Batch(env["agent"], env["node"], env["batch"], (v[0], v[1]), events, skipped, errors, bad_counts, blocks)
+
+
+from ccld import blocks as _blocks  # noqa: E402  (blocks.py reads this module's classes; imported last)

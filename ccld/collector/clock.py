@@ -102,6 +102,19 @@ class ClockTable:
         if self.refiner is not None and e.ok and agent in self._c:
             self.refiner.observe_end(agent, e.comm, e.seq, e.ts_ns)
 
+    def observe_ends(self, agent: str, comm: str, seq: int, mono_ns: List[int]) -> None:
+        """Several ranks' successful ends of one collective on one agent's node (a column block).
+        The base conversion is _base's arithmetic with the agent's constants read once."""
+        c = self._c.get(agent)
+        if self.refiner is not None and c is not None:
+            s = c.sync
+            if s is None:
+                base = [m + c.wall_offset for m in mono_ns]
+            else:
+                add, ref, drift = s.offset_ns, s.ref_ns, s.drift_ppb
+                base = [m + add + (drift * (m - ref)) // 1_000_000_000 for m in mono_ns]
+            self.refiner.observe_ends(agent, comm, seq, base)
+
     # ---- conversion -------------------------------------------------------------------------------
     def has(self, agent: str) -> bool:
         return agent in self._c
@@ -127,6 +140,18 @@ class ClockTable:
     def to_unix(self, agent: str, mono_ns: int) -> float:
         """Unix seconds of `mono_ns` on `agent`'s node. Raises NoClockSample before its first sample."""
         return self.to_unix_ns(agent, mono_ns) / 1e9
+
+    def to_unix_many(self, agent: str, mono_ns: List[int]) -> List[float]:
+        """to_unix of each of `mono_ns`, the same arithmetic with the agent's constants read once."""
+        c = self._c.get(agent)
+        if c is None:
+            raise NoClockSample(f"agent {agent!r} has sent no clock sample yet")
+        s = c.sync
+        if s is None:
+            add = c.wall_offset + c.corr
+            return [(m + add) / 1e9 for m in mono_ns]
+        add, ref, drift = s.offset_ns + c.corr, s.ref_ns, s.drift_ppb
+        return [(m + add + (drift * (m - ref)) // 1_000_000_000) / 1e9 for m in mono_ns]
 
     # ---- what is known ----------------------------------------------------------------------------
     def source(self, agent: str) -> str:

@@ -81,8 +81,8 @@ class JobClockRefiner:
         self.without_ref = 0    # multi-agent collectives in a row without the reference
         self.clamped: Dict[str, bool] = {}
 
-    def observe_end(self, agent: str, comm: str, seq: int, mono_ns: int) -> None:
-        t = self.base_ns(agent, mono_ns)
+    def observe_end(self, agent: str, comm: str, seq: int, mono_ns: int, converted: bool = False) -> None:
+        t = mono_ns if converted else self.base_ns(agent, mono_ns)
         if t is None:
             return
         src = self.source(agent)
@@ -97,6 +97,14 @@ class JobClockRefiner:
                 _, old = self.groups.popitem(last=False)
                 self._read(old)
         g.setdefault(agent, []).append(t)
+
+    def observe_ends(self, agent: str, comm: str, seq: int, base_ns: List[int]) -> None:
+        """observe_end for several ranks of one agent in one collective, times already in base Unix ns."""
+        first = base_ns[0]
+        self.observe_end(agent, comm, seq, first, converted=True)
+        g = self.groups.get((comm, seq))
+        if len(base_ns) > 1 and g is not None and agent in g:
+            g[agent].extend(base_ns[1:])
 
     def _forget(self, agent: str) -> None:
         if agent == self.ref:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, FrozenSet, Optional, Set, Tuple
 
 from ccld import events as ev
+from ccld.blocks import Block, in_order, run_rows
 from ccld.collector.clock import ClockTable
 from ccld.collector.gpu import GPU_EVENTS, GpuJoin
 from ccld.collector.links import LinkTable
@@ -165,7 +166,11 @@ class Timeline:
             self.anomalies["agent-restart"] += 1  # numbering started over: a new agent process
         info["last_batch"] = batch.batch
         self.last_recv = recv_unix if self.last_recv is None else max(self.last_recv, recv_unix)
-        for e in batch.events:
+        prepared: Dict[Block, Any] = {}
+        for e in in_order(batch.plain, batch.blocks):
+            if type(e) is tuple:  # a run of a column block: rows i:j, all of one collective
+                self._run_of(agent, batch.node, prepared, *e)
+                continue
             self.events_by_kind[e.KIND] += 1
             if isinstance(e, (ev.ClockSample, ev.ClockSync)):
                 if self.clock.update_event(agent, e):
@@ -180,6 +185,134 @@ class Timeline:
                     self.anomalies["no-clock-dropped"] += 1
                 else:
                     q.append((batch.node, e))
+
+    def _run_of(self, agent: str, node: str, prepared: Dict[Block, Any], b: Block, seq: int, i: int, j: int) -> None:
+        """Rows i:j of column block `b` (blocks.py), all of collective `seq`: in one pass when they are
+        what a live agent sends, else event by event.
+
+        The fast path needs: comm shared, every row's rank known and already a member of the
+        communicator from this node and pid, nothing seen twice. Whatever else (a first sight, a
+        restarted rank, duplicates, NCCL enters that GPU records join, an agent without a clock yet)
+        goes through _apply one event at a time, which counts every oddity as it always has."""
+        prep = prepared.get(b)
+        if prep is None:
+            prep = prepared[b] = self._prepare(agent, node, b)
+        if prep is False:
+            self._rows(agent, node, run_rows(b, seq, i, j))
+        elif not self._run(agent, prep[0], b, seq, i, j, prep[1]):
+            self._rows(agent, node, run_rows(b, seq, i, j), count=False)  # counted by _prepare
+
+    def _prepare(self, agent: str, node: str, b: Block) -> Any:
+        """(communicator, Unix times of the rows) when block `b` can take the fast path, else False.
+        Counts the block's events and marks its processes as seen."""
+        same, cols = b.same, b.cols
+        if not (self.clock.has(agent) and "comm" in same and "seq" in cols
+                and "pid" in cols and "rank" in cols and "ts_ns" in cols):
+            return False
+        recs = self._block_ranks(node, b)
+        if recs is None:
+            return False
+        times = self.clock.to_unix_many(agent, cols["ts_ns"])
+        # RankRecord.saw for each process: its last row is its newest (rows are in seq order, and a
+        # rank runs one communicator's collectives in order)
+        for pid, t in dict(zip(cols["pid"], times)).items():
+            rec = recs[pid]
+            if rec.last_event_at is None or t > rec.last_event_at:
+                rec.last_event_at = t
+        return self.comms[same["comm"]], times
+
+    def _rows(self, agent: str, node: str, rows: list, count: bool = True) -> None:
+        for e in rows:
+            if count:
+                self.events_by_kind[e.KIND] += 1
+            if self.clock.has(agent):
+                self._apply(agent, node, e)
+            else:
+                q = self._pending.setdefault(agent, collections.deque())
+                if len(q) >= MAX_PENDING_NO_CLOCK:
+                    self.anomalies["no-clock-dropped"] += 1
+                else:
+                    q.append((node, e))
+
+    def _block_ranks(self, node: str, b: Block) -> Optional[Dict[int, RankRecord]]:
+        """pid -> RankRecord for the block's rows when all are known members of its communicator, else None."""
+        same, cols = b.same, b.cols
+        comm = self.comms.get(same["comm"])
+        if comm is None or (b.kind == "coll" and same.get("backend") == "nccl"):
+            return None
+        cpids, get = comm.pids, self.ranks.get
+        recs = {}
+        for rank, pid in set(zip(cols["rank"], cols["pid"])):  # a handful of processes, many rows each
+            rec = get((node, pid))
+            if rank < 0 or rec is None or cpids.get(rank) != (node, pid):
+                return None  # a rank new to this communicator, a restart, no rank: the careful path
+            recs[pid] = rec
+        if len(recs) != len(set(cols["rank"])):
+            return None  # one pid under two ranks
+        if not comm.job:
+            comm.job = next(iter(recs.values())).job
+        self.events_by_kind[b.kind] += b.n
+        return recs
+
+    def _run(self, agent: str, comm: Comm, b: Block, seq: int, i: int, j: int, times: list) -> bool:
+        """Apply rows i:j of block `b`, all of collective `seq`; False (having changed nothing but the
+        ranks' last-seen times) when they need the event-by-event path."""
+        kind, same = b.kind, b.same
+        ranks = b.cols["rank"][i:j]
+        if len(set(ranks)) != len(ranks):
+            return False
+        view = comm.colls.get(seq)
+        if kind == "coll":
+            if view is not None and not view.enter.keys().isdisjoint(ranks):
+                return False
+            self._enter_run(comm, seq, same, ranks, times[i:j])
+            return True
+        if view is None or not view.enter.keys() >= set(ranks) or (
+                not (view.start if kind == "start" else view.end).keys().isdisjoint(ranks)):
+            return False
+        if kind == "start":
+            view.start.update(zip(ranks, times[i:j]))
+            return True
+        view.end.update(zip(ranks, times[i:j]))
+        if same.get("ok", True):
+            self.clock.observe_ends(agent, comm.id, seq, b.cols["ts_ns"][i:j])
+        else:
+            view.failed.update(dict.fromkeys(ranks, same.get("error") or "failed"))
+        ops, vop = view.ops, view.op or "unknown"
+        counts = self.end_counts  # not Counter.update: its Python-level checks cost more than 8 additions
+        for r in ranks:
+            counts[(r, ops.get(r) or vop)] += 1
+        self._maybe_completed(comm, view)
+        return True
+
+    def _enter_run(self, comm: Comm, seq: int, same: Dict[str, Any], ranks: list, times: list) -> None:
+        op = same.get("op", "")
+        comm.members.update(ranks)
+        if not comm.backend:
+            comm.backend = same.get("backend", "")
+        view = self._view(comm, seq, op, create=True)
+        if view is None:
+            self.anomalies["late-event"] += len(ranks) - 1  # _view counted one
+            return
+        if not view.op:
+            view.op = op
+        view.enter.update(zip(ranks, times))
+        view.ops.update(dict.fromkeys(ranks, op))
+        count, dtype = same.get("count", -1), same.get("dtype", "")
+        if count >= 0 or dtype:
+            view.sizes.update(dict.fromkeys(ranks, (count, dtype)))
+        counts = self.enter_counts
+        for r in ranks:
+            counts[(r, op)] += 1
+        if seq >= comm.max_seq:  # no rank has entered a later one: each rank's latest is this
+            comm.last_entered.update(zip(ranks, [(seq, op, t) for t in times]))
+        else:
+            last = comm.last_entered
+            for r, t in zip(ranks, times):
+                prev = last.get(r)
+                if prev is None or seq >= prev[0]:
+                    last[r] = (seq, op, t)
+        comm.max_seq = max(comm.max_seq, seq)
 
     def _drain_pending(self, agent: str) -> None:
         q = self._pending.pop(agent, None)
@@ -368,7 +501,7 @@ class Timeline:
             return
         if not expected.issubset(view.enter.keys()) or not expected.issubset(view.end.keys()):
             return
-        view.completed_at = max(view.end[r] for r in expected)
+        view.completed_at = max(map(view.end.__getitem__, expected))
         comm.completed += 1
         spread = view.last_enter() - view.first_enter()
         duration = max(0.0, view.completed_at - view.last_enter())

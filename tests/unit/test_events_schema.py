@@ -69,7 +69,7 @@ def test_round_trip_every_kind():
 
 
 def test_plain_msgpack_reads_a_frame():
-    frame = ev.encode_batch("a1", "n1", 1, ONE_OF_EACH)
+    frame = ev.encode_batch("a1", "n1", 1, ONE_OF_EACH, columns=False)
     d = msgpack.unpackb(frame, raw=False)
     assert d["v"] == [ev.SCHEMA_MAJOR, ev.SCHEMA_MINOR]
     assert [e["k"] for e in d["events"]] == [type(e).KIND for e in ONE_OF_EACH]

@@ -1,0 +1,272 @@
+"""Column blocks: the batched wire form of the three hot event kinds (coll, start, end).
+
+A busy node sends thousands of collective events a second, and the collector cannot afford a Python
+object and a map per event (bench/RESULTS.md: ~2.4 µs of decode alone per map-shaped event). Since
+schema 1.4 a frame may carry, beside its "events" list, a "blocks" list. A block holds the events of
+one kind that agree on every field but the per-rank ones, as columns:
+
+    {"k": "coll", "n": 8, "at": 3,
+     "same": {"comm": "job/gloo:0", "seq": 57, "op": "allreduce", "backend": "gloo", ...},
+     "cols": {"pid": [...8], "rank": [...8], "ts_ns": [...8], "tid": [...8]}}
+
+`at` is how many entries of the frame's "events" list came before the block's first event, so a
+reader can replay the frame in (nearly) the order it was made: a block's rows are placed together at
+its first row. Any field may be in `same` or in `cols`; a reader must accept both. Times: as in
+events.py (the sender's CLOCK_MONOTONIC ns); nothing here converts them.
+Caveat: a block that fails validation is dropped whole and its rows counted as bad events by reason;
+the frame's other blocks and events are kept.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from ccld import events as ev
+
+# kind -> the fields that differ from event to event (columns); every other field is shared by a block.
+# seq is a column so that one block holds a whole frame's worth of one communicator's collectives:
+# per-block costs (a map, its validation) are then paid once per frame, not once per collective.
+ROW_FIELDS: Dict[str, Tuple[str, ...]] = {
+    "coll": ("seq", "pid", "rank", "ts_ns", "tid"),
+    "start": ("seq", "pid", "rank", "ts_ns"),
+    "end": ("seq", "pid", "rank", "ts_ns"),
+}
+_SIMPLE_TYPES = {"int": int, "str": str, "bool": bool}
+
+
+class Block:
+    """One validated block: `n` events of `kind` sharing `same`, with per-event `cols` (lists of n)."""
+    __slots__ = ("kind", "n", "at", "same", "cols")
+
+    def __init__(self, kind: str, n: int, at: int, same: Dict[str, Any], cols: Dict[str, List[Any]]):
+        self.kind, self.n, self.at, self.same, self.cols = kind, n, at, same, cols
+
+    def rows(self) -> List[ev.Event]:
+        """The block as event objects (the slow, general way to read it)."""
+        cls, req, opt, defaults, factories = ev._spec(ev.EVENT_TYPES[self.kind])
+        base = dict(defaults)
+        base.update(self.same)
+        names = list(self.cols)
+        out = []
+        for values in zip(*(self.cols[c] for c in names)):
+            args = dict(base)
+            args.update(zip(names, values))
+            for name, factory in factories:
+                if name not in args:
+                    args[name] = factory()
+            e = object.__new__(cls)
+            e.__dict__.update(args)
+            out.append(e)
+        return out
+
+    def wire(self) -> List[Dict[str, Any]]:
+        """The block as wire maps, one per event, as they would be in a frame's "events" list."""
+        names = list(self.cols)
+        head = {"k": self.kind}
+        head.update(self.same)
+        out = []
+        for values in zip(*(self.cols[c] for c in names)):
+            d = dict(head)
+            d.update(zip(names, values))
+            out.append(d)
+        return out
+
+
+# ---- writing -------------------------------------------------------------------------------------
+
+def split(events: Sequence[ev.Event]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """(wire maps of the events that stay maps, blocks) for one frame, in the shape described above.
+    Rows of a block are sorted by seq (stable), so each collective's rows are one run: readers rely on
+    that for speed, though they must accept any order."""
+    plain: List[Dict[str, Any]] = []
+    blocks: Dict[tuple, Tuple[Dict[str, Any], List[tuple]]] = {}
+    for e in events:
+        rowf = ROW_FIELDS.get(e.KIND)
+        if rowf is None:
+            plain.append(e.to_wire())
+            continue
+        d = e.__dict__
+        same = tuple((k, v) for k, v in d.items() if k not in rowf)
+        got = blocks.get((e.KIND, same))
+        if got is None:
+            got = blocks[(e.KIND, same)] = ({"k": e.KIND, "n": 0, "at": len(plain), "same": dict(same)}, [])
+        got[1].append(tuple(d[f] for f in rowf))
+    out = []
+    for (kind, _), (b, rows) in blocks.items():
+        rows.sort(key=lambda r: r[0])  # seq is the first row field
+        b["n"] = len(rows)
+        b["cols"] = {f: list(col) for f, col in zip(ROW_FIELDS[kind], zip(*rows))}
+        out.append(b)
+    return plain, out
+
+
+# ---- reading -------------------------------------------------------------------------------------
+
+def _column_problem(declared: str, col: list) -> Optional[str]:
+    """None when every value of `col` has the declared type, else what the first odd one is."""
+    exact = _SIMPLE_TYPES.get(declared)
+    if exact is not None:
+        kinds = set(map(type, col))  # one C-level pass: exact types, so True is not an int
+        if kinds <= {exact}:
+            return None
+        odd = next(t for t in kinds if t is not exact)
+        return f"a {odd.__name__}"
+    for v in col:
+        got = ev._type_problem(declared, v)
+        if got is not None:
+            return got
+    return None
+
+
+def read_block(raw: Any, n_events: int) -> Block:
+    """Validate one wire block (a frame with `n_events` plain events). Raises FrameError naming the field."""
+    if type(raw) is not dict:
+        raise ev.FrameError("bad-block", f"block is a {type(raw).__name__}, not a map")
+    kind = raw.get("k")
+    if type(kind) is not str:
+        raise ev.FrameError("bad-block", f"block kind (field 'k') should be str, got {type(kind).__name__}")
+    cls = ev.EVENT_TYPES.get(kind)
+    if cls is None:
+        raise ev.FrameError("unknown-kind", f"unknown event kind {ev._show(kind)} in a block")
+    n, at, same, cols = raw.get("n"), raw.get("at", 0), raw.get("same", {}), raw.get("cols")
+    if type(n) is not int or n < 1 or n > ev.MAX_EVENTS_PER_FRAME:
+        raise ev.FrameError("bad-block", f"block of {kind!r}: 'n' should be an int in 1..{ev.MAX_EVENTS_PER_FRAME}, "
+                                         f"got {ev._show(n)}")
+    if type(at) is not int or not 0 <= at <= n_events:
+        raise ev.FrameError("bad-block", f"block of {kind!r}: 'at' should be an int in 0..{n_events}, got {ev._show(at)}")
+    if type(same) is not dict or type(cols) is not dict:
+        raise ev.FrameError("bad-block", f"block of {kind!r}: 'same' and 'cols' should be maps")
+    req, opt = ev._fields(cls)
+    known_same, known_cols = {}, {}
+    for name, value in same.items():
+        declared = req.get(name) or opt.get(name) if type(name) is str else None
+        if declared is None:
+            continue  # an unknown field: a newer minor version may add some
+        got = ev._type_problem(declared, value)
+        if got is not None:
+            raise ev.FrameError("bad-field", f"block of {kind!r}: field {name!r} should be {declared}, got {got}")
+        known_same[name] = value
+    for name, col in cols.items():
+        declared = req.get(name) or opt.get(name) if type(name) is str else None
+        if declared is None:
+            continue
+        if type(col) is not list or len(col) != n:
+            raise ev.FrameError("bad-block", f"block of {kind!r}: column {name!r} should be a list of {n}, got "
+                                             f"{type(col).__name__}{' of ' + str(len(col)) if type(col) is list else ''}")
+        got = _column_problem(declared, col)
+        if got is not None:
+            raise ev.FrameError("bad-field", f"block of {kind!r}: column {name!r} should hold {declared}, has {got}")
+        if name in known_same:
+            raise ev.FrameError("bad-block", f"block of {kind!r}: field {name!r} is both shared and a column")
+        known_cols[name] = col
+    for name in req:
+        if name not in known_same and name not in known_cols:
+            raise ev.FrameError("missing-field", f"block of {kind!r}: missing field {name!r}")
+    return Block(kind, n, at, known_same, known_cols)
+
+
+def read_blocks(raw: Any, n_events: int, minor: int, agent: str, batch: int,
+                errors: List[ev.FrameError], bad_counts: Dict[str, int]) -> Tuple[List[Block], int]:
+    """(good blocks, events skipped as of unknown kinds) from a frame's "blocks" list. Bad blocks are
+    dropped, each of their events counted in `bad_counts` by reason and the first few kept in `errors`."""
+    if type(raw) is not list:
+        raise ev.FrameError("bad-envelope", f"frame envelope field 'blocks' is not a list (got {type(raw).__name__})")
+    out: List[Block] = []
+    skipped = total = 0
+    for i, b in enumerate(raw):
+        n = b.get("n") if type(b) is dict else None
+        weight = n if type(n) is int and 0 < n <= ev.MAX_EVENTS_PER_FRAME else 1
+        total += weight
+        if total > ev.MAX_EVENTS_PER_FRAME:
+            raise ev.FrameError("too-many-items", f"frame's blocks hold more than {ev.MAX_EVENTS_PER_FRAME} events "
+                                                  f"(the most a frame may carry)")
+        try:
+            out.append(read_block(b, n_events))
+        except ev.FrameError as e:
+            if e.reason == "unknown-kind" and minor > ev.SCHEMA_MINOR:
+                skipped += weight
+                continue
+            bad_counts[e.reason] = bad_counts.get(e.reason, 0) + weight
+            if len(errors) < ev.MAX_ERRORS_KEPT:
+                errors.append(ev.FrameError(e.reason, f"agent {ev._show(agent)} batch {batch} block #{i}: {e}"))
+    return out, skipped
+
+
+KIND_ORDER = {"coll": 0, "start": 1, "end": 2}  # within one collective a rank enters, starts, then ends
+
+
+def seq_runs(b: Block) -> List[Tuple[int, int, int]]:
+    """[(seq, i, j)]: rows i:j of block `b` are collective seq. Writers sort rows by seq; a block that
+    is not sorted is sorted here (its columns are reordered in place)."""
+    if "seq" in b.same:
+        return [(b.same["seq"], 0, b.n)]
+    seqs = b.cols.get("seq")
+    if type(seqs) is not list:
+        return [(-1, 0, b.n)]  # no seq at all: the event-by-event reader reports it
+    if seqs[0] == seqs[-1] and len(set(seqs)) == 1:
+        return [(seqs[0], 0, b.n)]
+    if seqs != sorted(seqs):
+        order = sorted(range(b.n), key=seqs.__getitem__)
+        for c, v in b.cols.items():
+            b.cols[c] = [v[k] for k in order]
+        seqs = b.cols["seq"]
+    out, i = [], 0
+    for s in sorted(set(seqs)):  # one bisect per collective instead of a Python step per row
+        j = bisect.bisect_right(seqs, s, i)
+        out.append((s, i, j))
+        i = j
+    return out
+
+
+def in_order(plain: List[ev.Event], blocks: List[Block]) -> Iterator[Any]:
+    """The frame's events in the order a reader should apply them: yields Events and runs, a run being
+    (block, seq, i, j), rows i:j of a block, all of collective seq.
+
+    The plain events before the first block come first, then every block's runs ordered by (seq, enter
+    before start before end), then the remaining plain events. A block gathers a whole frame's rows, so
+    without that merge a frame holding an allreduce then a broadcast would replay the broadcast's ends
+    (in the one "end" block) before its enters (in the broadcast's "coll" block)."""
+    if not blocks:
+        yield from plain
+        return
+    at = min(b.at for b in blocks)
+    yield from plain[:at]
+    runs = []
+    for k, b in enumerate(blocks):
+        order = KIND_ORDER.get(b.kind, 3)
+        runs.extend((seq, order, k, i, j, b) for seq, i, j in seq_runs(b))
+    runs.sort(key=lambda r: r[:5])
+    for seq, _, _, i, j, b in runs:
+        yield (b, seq, i, j)
+    yield from plain[at:]
+
+
+def run_rows(b: Block, seq: int, i: int, j: int) -> List[ev.Event]:
+    """Rows i:j of block `b` as event objects."""
+    if i == 0 and j == b.n:
+        return b.rows()
+    return Block(b.kind, j - i, b.at, b.same, {c: v[i:j] for c, v in b.cols.items()}).rows()
+
+
+def expand(env: Dict[str, Any]) -> List[Any]:
+    """A decoded envelope's wire events with its blocks expanded back into wire maps, in order
+    (for readers that walk raw maps, e.g. the exporter). Blocks that are not well formed are left out."""
+    evs = env.get("events")
+    evs = evs if type(evs) is list else []
+    raw = env.get("blocks")
+    if type(raw) is not list or not raw:
+        return evs
+    good = []
+    for b in raw:
+        try:
+            good.append(read_block(b, len(evs)))
+        except ev.FrameError:
+            continue
+    out: List[Any] = []
+    for item in in_order(evs, good):
+        if type(item) is tuple:
+            b, _, i, j = item
+            out.extend(b.wire()[i:j])
+        else:
+            out.append(item)
+    return out

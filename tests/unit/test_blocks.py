@@ -1,0 +1,253 @@
+"""Column blocks (ccld/blocks.py): the wire shape, its validation, and that the timeline's fast path for
+them leaves exactly the state the event-by-event path leaves, on random jobs with every oddity."""
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from ccld import blocks
+from ccld import events as ev
+from ccld.collector.ingest import IngestCounters, decode_frame
+from ccld.collector.timeline import Timeline
+
+pytestmark = pytest.mark.unit
+
+T0_NS = 5_000_000_000_000
+
+
+def coll(r, seq, t, comm="j/gloo:0", op="allreduce", pid=None, backend="gloo", tid=0, count=-1):
+    return ev.CollEnter(pid=pid or 100 + r, rank=r, ts_ns=t, backend=backend, comm=comm, seq=seq, op=op,
+                        tid=tid, count=count)
+
+
+def start(r, seq, t, comm="j/gloo:0", pid=None):
+    return ev.WorkStart(pid=pid or 100 + r, rank=r, ts_ns=t, comm=comm, seq=seq)
+
+
+def end(r, seq, t, comm="j/gloo:0", pid=None, ok=True):
+    return ev.WorkEnd(pid=pid or 100 + r, rank=r, ts_ns=t, comm=comm, seq=seq, ok=ok, error="" if ok else "boom")
+
+
+def env(events=(), blocks_=(), minor=ev.SCHEMA_MINOR, **over):
+    d = {"v": [ev.SCHEMA_MAJOR, minor], "agent": "a1", "node": "n1", "batch": 1, "events": list(events),
+         "blocks": list(blocks_)}
+    d.update(over)
+    return msgpack.packb(d, use_bin_type=True)
+
+
+GOOD_BLOCK = {"k": "start", "n": 2, "at": 0, "same": {"comm": "j/gloo:0"},
+              "cols": {"seq": [4, 4], "pid": [100, 101], "rank": [0, 1], "ts_ns": [10, 11]}}
+
+
+# ---- wire shape ----------------------------------------------------------------------------------
+
+def test_hot_kinds_travel_as_blocks_sorted_by_seq_and_everything_else_as_maps():
+    evs = [ev.ClockSample(mono_ns=1, wall_ns=2, ts_ns=1), end(0, 2, 30), coll(0, 3, 40), coll(1, 3, 41),
+           coll(0, 1, 5, op="broadcast"), end(1, 1, 9), ev.RankExit(pid=100, rank=0, ts_ns=50)]
+    d = msgpack.unpackb(ev.encode_batch("a", "n", 1, evs), raw=False)
+    assert [e["k"] for e in d["events"]] == ["clock", "rank_exit"]
+    shapes = {(b["k"], b["same"].get("op")): b for b in d["blocks"]}
+    assert set(shapes) == {("end", None), ("coll", "allreduce"), ("coll", "broadcast")}
+    ends = shapes[("end", None)]
+    assert ends["n"] == 2 and ends["at"] == 1 and ends["cols"]["seq"] == [1, 2] and ends["cols"]["rank"] == [1, 0]
+    assert ends["same"] == {"comm": "j/gloo:0", "ok": True, "error": ""}
+    assert shapes[("coll", "allreduce")]["cols"]["ts_ns"] == [40, 41]
+    # and back: every event, each collective's enter before its end, the map events around them
+    back = ev.decode_batch(ev.encode_batch("a", "n", 1, evs)).events
+    assert sorted(map(repr, back)) == sorted(map(repr, evs))
+    assert back[0] == evs[0] and back[-1] == evs[-1]
+    assert back.index(coll(0, 1, 5, op="broadcast")) < back.index(end(1, 1, 9))
+
+
+def test_any_field_may_be_shared_or_a_column():
+    block = {"k": "coll", "n": 2, "at": 0, "same": {"seq": 7, "rank": 3, "backend": "gloo", "op": "allreduce"},
+             "cols": {"comm": ["c1", "c2"], "pid": [5, 6], "ts_ns": [1, 2]}}
+    batch = ev.decode_batch(env(blocks_=[block]))
+    assert batch.events == [ev.CollEnter(pid=5, rank=3, ts_ns=1, backend="gloo", comm="c1", seq=7, op="allreduce"),
+                            ev.CollEnter(pid=6, rank=3, ts_ns=2, backend="gloo", comm="c2", seq=7, op="allreduce")]
+    assert len(batch) == 2 and batch.errors == []
+
+
+def test_expand_gives_the_wire_maps_a_row_reader_would_have_seen():
+    evs = [coll(0, 1, 5), start(0, 1, 6), end(0, 1, 7), ev.ClockSample(mono_ns=1, wall_ns=2, ts_ns=1)]
+    d = msgpack.unpackb(ev.encode_batch("a", "n", 1, evs), raw=False)
+    assert blocks.expand(d) == [e.to_wire() for e in evs]
+
+
+BAD_BLOCKS = [
+    ("not a map", [1, 2], "bad-block", 1),
+    ("kind not a str", dict(GOOD_BLOCK, k=3), "bad-block", 2),
+    ("unknown kind", dict(GOOD_BLOCK, k="warp"), "unknown-kind", 2),
+    ("n not an int", dict(GOOD_BLOCK, n="2"), "bad-block", 1),
+    ("n zero", dict(GOOD_BLOCK, n=0), "bad-block", 1),
+    ("at past the events", dict(GOOD_BLOCK, at=5), "bad-block", 2),
+    ("column too short", dict(GOOD_BLOCK, cols=dict(GOOD_BLOCK["cols"], pid=[100])), "bad-block", 2),
+    ("column not a list", dict(GOOD_BLOCK, cols=dict(GOOD_BLOCK["cols"], pid=7)), "bad-block", 2),
+    ("bool in an int column", dict(GOOD_BLOCK, cols=dict(GOOD_BLOCK["cols"], seq=[4, True])), "bad-field", 2),
+    ("str in an int column", dict(GOOD_BLOCK, cols=dict(GOOD_BLOCK["cols"], ts_ns=[1, "2"])), "bad-field", 2),
+    ("shared field of the wrong type", dict(GOOD_BLOCK, same={"comm": 5}), "bad-field", 2),
+    ("missing field", dict(GOOD_BLOCK, same={}), "missing-field", 2),
+    ("both shared and a column", dict(GOOD_BLOCK, same={"comm": "c", "seq": 4}), "bad-block", 2),
+]
+
+
+@pytest.mark.parametrize("name,bad,reason,weight", BAD_BLOCKS, ids=[b[0] for b in BAD_BLOCKS])
+def test_a_bad_block_is_dropped_counted_by_its_rows_and_the_rest_kept(name, bad, reason, weight):
+    c = IngestCounters()
+    batch, err = decode_frame(env([GOOD_BLOCK["cols"] and start(0, 4, 9).to_wire()], [GOOD_BLOCK, bad, GOOD_BLOCK]), c)
+    assert err is None and len(batch) == 5
+    assert [e.reason for e in batch.errors] == [reason]
+    assert "block #1" in str(batch.errors[0]) and "'a1'" in str(batch.errors[0])
+    assert c.bad_events == {reason: weight}
+
+
+def test_unknown_kind_in_a_newer_minor_is_skipped_and_counted_by_rows():
+    batch = ev.decode_batch(env(blocks_=[dict(GOOD_BLOCK, k="warp"), GOOD_BLOCK], minor=ev.SCHEMA_MINOR + 1))
+    assert batch.skipped == 2 and batch.errors == [] and len(batch) == 2
+
+
+def test_blocks_not_a_list_rejects_the_frame():
+    with pytest.raises(ev.FrameError) as ei:
+        ev.decode_batch(env(blocks_=(), **{"blocks": {"k": "coll"}}))
+    assert ei.value.reason == "bad-envelope" and "'blocks'" in str(ei.value)
+
+
+def test_more_rows_than_a_frame_may_carry_rejects_the_frame():
+    big = dict(GOOD_BLOCK, n=ev.MAX_EVENTS_PER_FRAME)
+    with pytest.raises(ev.FrameError) as ei:
+        ev.decode_batch(env(blocks_=[big, big]))
+    assert ei.value.reason == "too-many-items"
+
+
+def test_unsorted_rows_are_read_in_seq_order():
+    b = blocks.read_block({"k": "end", "n": 3, "at": 0, "same": {"comm": "c"},
+                           "cols": {"seq": [9, 3, 9], "pid": [1, 2, 3], "rank": [0, 1, 2], "ts_ns": [7, 8, 9]}}, 0)
+    assert blocks.seq_runs(b) == [(3, 0, 1), (9, 1, 3)]
+    assert b.cols["pid"] == [2, 1, 3]
+
+
+# ---- the timeline: fast path == event-by-event path ---------------------------------------------
+
+def snapshot(tl: Timeline):
+    comms = {}
+    for cid, c in tl.comms.items():
+        views = {s: (v.op, v.enter, v.start, v.end, v.ops, v.failed, v.sizes, v.completed_at, v.gpu_start)
+                 for s, v in c.colls.items()}
+        comms[cid] = (c.backend, c.group_size, c.job, sorted(c.members), c.pids, c.retired, c.max_seq,
+                      c.evicted_upto, c.last_entered, c.peaks, c.completed, c.resets, views)
+    ranks = {k: (r.rank, r.last_event_at, r.exited_at, r.state) for k, r in tl.ranks.items()}
+    return (comms, ranks, dict(tl.enter_counts), dict(tl.end_counts), dict(tl.anomalies),
+            dict(tl.events_by_kind), dict(tl.gpu.status))
+
+
+def random_job(rnd: random.Random):
+    """Frames of a few agents: a world comm and a subgroup, ops that change, and now and then a
+    duplicate, a failure, a missing rank field, a rank restart, an NCCL enter, an unknown pid, a gap."""
+    world, nodes = 8, 2
+    frames = []  # (agent index, events)
+    t = T0_NS
+    pids = {r: 100 + r for r in range(world)}
+    node_of = {r: r * nodes // world for r in range(world)}
+    pending = {n: [] for n in range(nodes)}
+
+    def put(r, e):
+        pending[node_of[r]].append(e)
+
+    for r in range(world):
+        put(r, ev.RankInfo(pid=pids[r], rank=r, world_size=world, local_rank=r % 4, node=f"n{node_of[r]}",
+                           job="j", ts_ns=t))
+        put(r, ev.CommInit(pid=pids[r], rank=r, ts_ns=t, backend="gloo", comm="j/gloo:0", group_rank=r,
+                           group_size=world))
+        if r % 2 == 0:
+            put(r, ev.CommInit(pid=pids[r], rank=r, ts_ns=t, backend="gloo", comm="j/gloo:1", group_rank=r // 2,
+                               group_size=world // 2))
+    seqs = {"j/gloo:0": 0, "j/gloo:1": 0}
+    for step in range(60):
+        comm = "j/gloo:1" if rnd.random() < 0.3 else "j/gloo:0"
+        members = [r for r in range(world) if comm == "j/gloo:0" or r % 2 == 0]
+        seqs[comm] += 1
+        seq = seqs[comm]
+        op = rnd.choice(["allreduce", "allreduce", "broadcast", "allgather"])
+        for r in members:
+            if rnd.random() < 0.03:
+                continue  # this rank's events of this collective are lost
+            t += rnd.randrange(1, 1_000_000)
+            rank = -1 if rnd.random() < 0.05 else r
+            backend = "nccl" if rnd.random() < 0.03 else "gloo"
+            put(r, ev.CollEnter(pid=pids[r], rank=rank, ts_ns=t, backend=backend, comm=comm, seq=seq,
+                                op=op if rnd.random() > 0.03 else "barrier", tid=7,
+                                count=rnd.choice([-1, 1024])))
+            if rnd.random() < 0.03:
+                put(r, ev.CollEnter(pid=pids[r], rank=r, ts_ns=t, backend="gloo", comm=comm, seq=seq, op=op))
+            put(r, ev.WorkStart(pid=pids[r], rank=r, ts_ns=t + 10, comm=comm, seq=seq))
+            ok = rnd.random() > 0.03
+            put(r, ev.WorkEnd(pid=pids[r], rank=r, ts_ns=t + 20, comm=comm, seq=seq, ok=ok,
+                              error="" if ok else "peer gone"))
+            if rnd.random() < 0.02:
+                put(r, ev.WorkEnd(pid=pids[r], rank=r, ts_ns=t + 30, comm=comm, seq=seq))
+            if rnd.random() < 0.01:
+                put(r, ev.WorkStart(pid=999, rank=r, ts_ns=t, comm=comm, seq=seq))  # a pid never announced
+        if rnd.random() < 0.02:  # rank 3 restarts: a new pid announces itself and rebuilds the world comm
+            r = 3
+            pids[r] += 1000
+            put(r, ev.RankInfo(pid=pids[r], rank=r, world_size=world, local_rank=3, node=f"n{node_of[r]}",
+                               job="j", ts_ns=t))
+            put(r, ev.CommInit(pid=pids[r], rank=r, ts_ns=t, backend="gloo", comm="j/gloo:0", group_rank=r,
+                               group_size=world))
+        if rnd.random() < 0.3 or step == 59:
+            for n in range(nodes):
+                frames.append((n, pending[n] + [ev.ClockSample(mono_ns=t, wall_ns=t + 10 ** 18, ts_ns=t)]))
+                pending[n] = []
+    rnd.shuffle(frames[len(frames) // 2:])  # frames of different agents arrive out of order
+    return frames
+
+
+def feed(frames, fast: bool) -> Timeline:
+    """The frames as column blocks, into a timeline: through the fast path, or materialized in the same
+    order (Batch.events) and applied event by event."""
+    tl = Timeline()
+    batch_no = {}
+    for n, evs in frames:
+        batch_no[n] = batch_no.get(n, 0) + 1
+        b = ev.decode_batch(ev.encode_batch(f"agent-{n}", f"n{n}", batch_no[n], evs))
+        if not fast:
+            b = ev.Batch(b.agent, b.node, b.batch, b.version, b.events)
+        tl.ingest(b, 1.0)
+    return tl
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fast_path_leaves_the_same_timeline_as_event_by_event(seed):
+    frames = random_job(random.Random(seed))
+    fast, slow = feed(frames, True), feed(frames, False)
+    assert snapshot(fast) == snapshot(slow)
+    assert sum(fast.events_by_kind.values()) == sum(len(evs) for _, evs in frames)
+
+
+def test_a_healthy_job_reads_the_same_as_blocks_or_as_maps():
+    rnd = random.Random(5)
+    frames, t = [], T0_NS
+    head = [ev.RankInfo(pid=100 + r, rank=r, world_size=4, local_rank=r, node="n0", job="j", ts_ns=t) for r in range(4)]
+    head += [ev.CommInit(pid=100 + r, rank=r, ts_ns=t, backend="gloo", comm="j/gloo:0", group_rank=r, group_size=4)
+             for r in range(4)]
+    evs = list(head)
+    for seq in range(1, 200):
+        op = rnd.choice(["allreduce", "broadcast"])
+        for r in range(4):
+            evs.append(coll(r, seq, t + r, op=op))
+        for r in range(4):
+            evs += [start(r, seq, t + 10), end(r, seq, t + 20 + r)]
+        t += 1_000_000
+        if seq % 7 == 0:
+            frames.append((0, [ev.ClockSample(mono_ns=t, wall_ns=t + 10 ** 18, ts_ns=t)] + evs))
+            evs = []
+    states = []
+    for columns in (False, True):
+        tl = Timeline()
+        for k, (n, f) in enumerate(frames):
+            tl.ingest(ev.decode_batch(ev.encode_batch("a", "n0", k + 1, f, columns=columns)), 1.0)
+        states.append(snapshot(tl))
+        assert tl.comms["j/gloo:0"].completed == 196 and not tl.anomalies
+    assert states[0] == states[1]
