@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ccld.bpf import records
 from ccld.errors import EnvironmentProblem
@@ -43,6 +43,27 @@ class Attachment:
     events: List[bytes] = field(default_factory=list)            # bcc's names of our perf events
     missing: List[str] = field(default_factory=list)             # optional prefixes not found
     ret_points: List[Tuple[str, int]] = field(default_factory=list)  # (symbol, address) of uretprobes
+
+
+def seen_from_here(pid: int, path: str) -> str:
+    """`path` as process `pid` sees it -> a path naming the same file in this process's mount namespace.
+    The same namespace: the path itself. Another one: /proc/PID/root + path, which the kernel resolves
+    in the process's own root (needs the rights to read /proc/PID/root: root, or ptrace on it)."""
+    try:
+        if os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino:
+            return path
+    except OSError:
+        return path  # no namespace information (old kernel, a process gone): the path as it was given
+    return f"/proc/{pid}/root{path}"
+
+
+def lib_key(path: str) -> Any:
+    """What identifies a library file across paths: (device, inode); the path when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return path
+    return (st.st_dev, st.st_ino)
 
 
 def bpf_available() -> Optional[EnvironmentProblem]:
@@ -73,8 +94,8 @@ class Family:
         self.bpf = None
         self.bad_records: Dict[str, int] = {}
         self.attached: Dict[int, Attachment] = {}   # traced pid -> the attachment of its library
-        self.libs: Dict[str, Attachment] = {}       # library path -> probes attached for all processes
-        self._plans: Dict[str, Tuple[List[Tuple[str, int, Probe]], List[str]]] = {}
+        self.libs: Dict[Any, Attachment] = {}       # lib_key(library) -> probes attached for all processes
+        self._plans: Dict[Any, Tuple[List[Tuple[str, int, Probe]], List[str]]] = {}
         self._lock = threading.Lock()
         self._lost_at_close = 0  # lost() after close(): the agent's final loss report comes after it
 
@@ -133,22 +154,24 @@ class Family:
 
     # -- attaching ---------------------------------------------------------------------------
     def find_lib(self, pid: int) -> Optional[str]:
-        """Path of this family's library in /proc/PID/maps, or None when not mapped (yet)."""
+        """Path of this family's library as mapped by `pid` (/proc/PID/maps), made valid from here:
+        through /proc/PID/root when the process lives in another mount namespace (a container, while
+        the agent runs on the host or in a DaemonSet). None when not mapped (yet)."""
         pat = re.compile(self.LIB_PATTERN)
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     parts = line.split(None, 5)
                     if len(parts) == 6 and pat.search(parts[5]):
-                        return parts[5].strip()
+                        return seen_from_here(pid, parts[5].strip())
         except OSError:
             return None
         return None
 
     def _plan(self, lib: str) -> Tuple[List[Tuple[str, int, Probe]], List[str]]:
         """Resolve every probe's symbols in `lib` once (the ELF scan is the slow part)."""
-        if lib in self._plans:
-            return self._plans[lib]
+        if lib_key(lib) in self._plans:
+            return self._plans[lib_key(lib)]
         from bcc import BPF
         # One pass over the symbol table for all prefixes: each pass over libtorch_cpu.so costs ~0.8 s.
         pattern = "^(" + "|".join(re.escape(p.prefix) for p in self.PROBES) + ")"
@@ -167,16 +190,18 @@ class Family:
                 points.append((sym, addr, p))
             if not got:
                 missing.append(p.prefix)
-        self._plans[lib] = (points, missing)
-        return self._plans[lib]
+        self._plans[lib_key(lib)] = (points, missing)
+        return self._plans[lib_key(lib)]
 
     def attach(self, pid: int, lib: str) -> Attachment:
         """Trace `pid`: make sure the family's probes are on `lib` (once, for every process that maps
         it, as a unit: if one fails, none stay), then add pid to the program's `traced` set."""
         with self._lock:
-            att = self.libs.get(lib)
+            # By file, not by path: the same library reached as /usr/lib/x.so and /proc/PID/root/usr/lib/x.so
+            # (or through a bind mount) is one set of probes; two would report every call twice.
+            att = self.libs.get(lib_key(lib))
             if att is None:
-                att = self.libs[lib] = self._attach_lib(lib)
+                att = self.libs[lib_key(lib)] = self._attach_lib(lib)
             try:
                 self.bpf[b"traced"][ct.c_uint32(pid)] = ct.c_uint8(1)
             except Exception as e:
@@ -186,7 +211,12 @@ class Family:
         return att
 
     def _attach_lib(self, lib: str) -> Attachment:
-        points, missing = self._plan(lib)
+        try:
+            points, missing = self._plan(lib)
+        except Exception as e:  # bcc raises a bare Exception when it cannot read the ELF file
+            raise EnvironmentProblem(f"{self.NAME}: cannot read the symbols of {lib}: {e}",
+                                     "is the library readable from the agent (same mount namespace, "
+                                     "or /proc/PID/root reachable: run the agent as root with hostPID)?") from e
         need = {p.prefix for p in self.PROBES if p.required}
         lacking = need & set(missing)
         if lacking:

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Tuple
 
 from ccld import events as ev
 from ccld.bpf import elfver
-from ccld.bpf.loader import Family, Probe
+from ccld.bpf.loader import Family, Probe, lib_key
 from ccld.bpf.records import Header
 
 log = logging.getLogger("ccld.bpf")
@@ -68,8 +68,8 @@ class RdmaFamily(Family):
         """The loader's plan, less the non-default symbol versions. When the versions cannot be read
         and a name has more than one address, that name is not probed at all (so reported missing):
         a probe on the compat entry would double-count and misread every call."""
-        if lib in self._plans:
-            return self._plans[lib]
+        if lib_key(lib) in self._plans:
+            return self._plans[lib_key(lib)]
         points, missing = super()._plan(lib)
         try:
             default = elfver.default_symbol_addresses(lib, {p.prefix for p in self.PROBES})
@@ -87,8 +87,8 @@ class RdmaFamily(Family):
                 kept.append((sym, addr, probe))
         got = {sym for sym, _, _ in kept}
         missing = sorted(set(missing) | {p.prefix for p in self.PROBES if p.prefix not in got})
-        self._plans[lib] = (kept, missing)
-        return self._plans[lib]
+        self._plans[lib_key(lib)] = (kept, missing)
+        return self._plans[lib_key(lib)]
 
 
 def gid_hex(raw) -> str:

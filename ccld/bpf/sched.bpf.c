@@ -54,10 +54,13 @@ static __always_inline struct sched_stats *stats_of(u32 tgid)
 
 TRACEPOINT_PROBE(sched, sched_switch)
 {
-    u64 now = bpf_ktime_get_ns();
+    /* This runs on every context switch of the machine, traced or not: the clock is read only once
+     * one of the two threads turns out to be ours (0 = not read yet). */
+    u64 now = 0;
     /* Outgoing thread: the current task is `prev`. */
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     if (traced.lookup(&tgid)) {
+        now = bpf_ktime_get_ns();
         u32 tid = args->prev_pid;
         struct thread t = {};
         t.tgid = tgid;
@@ -75,6 +78,8 @@ TRACEPOINT_PROBE(sched, sched_switch)
     struct thread *n = threads.lookup(&next);
     if (!n || !n->runq_since)
         return 0;
+    if (!now)
+        now = bpf_ktime_get_ns();
     struct sched_stats *s = stats_of(n->tgid);
     if (s && now > n->runq_since) {
         u64 d = now - n->runq_since;
