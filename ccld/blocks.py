@@ -19,6 +19,8 @@ the frame's other blocks and events are kept.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import operator
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ccld import events as ev
@@ -74,6 +76,20 @@ class Block:
 
 # ---- writing -------------------------------------------------------------------------------------
 
+_GETTERS: Dict[type, Tuple[Tuple[str, ...], Any, Any]] = {}  # class -> (shared names, their getter, row getter)
+
+
+def _getters(cls: type, rowf: Tuple[str, ...]) -> Tuple[Tuple[str, ...], Any, Any]:
+    got = _GETTERS.get(cls)
+    if got is None:
+        shared = tuple(f.name for f in dataclasses.fields(cls) if f.name not in rowf)
+        # itemgetter of 2+ names returns a tuple, in C: the agent runs this once per event
+        one = shared[0] if len(shared) == 1 else None
+        get_same = operator.itemgetter(*shared) if one is None else (lambda d: (d[one],))  # always a tuple
+        got = _GETTERS[cls] = (shared, get_same, operator.itemgetter(*rowf))
+    return got
+
+
 def split(events: Sequence[ev.Event]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """(wire maps of the events that stay maps, blocks) for one frame, in the shape described above.
     Rows of a block are sorted by seq (stable), so each collective's rows are one run: readers rely on
@@ -85,19 +101,23 @@ def split(events: Sequence[ev.Event]) -> Tuple[List[Dict[str, Any]], List[Dict[s
         if rowf is None:
             plain.append(e.to_wire())
             continue
+        shared, get_same, get_row = _getters(type(e), rowf)
         d = e.__dict__
-        same = tuple((k, v) for k, v in d.items() if k not in rowf)
-        got = blocks.get((e.KIND, same))
+        key = (e.KIND, get_same(d))
+        got = blocks.get(key)
         if got is None:
-            got = blocks[(e.KIND, same)] = ({"k": e.KIND, "n": 0, "at": len(plain), "same": dict(same)}, [])
-        got[1].append(tuple(d[f] for f in rowf))
+            got = blocks[key] = ({"k": e.KIND, "n": 0, "at": len(plain), "same": dict(zip(shared, key[1]))}, [])
+        got[1].append(get_row(d))
     out = []
     for (kind, _), (b, rows) in blocks.items():
-        rows.sort(key=lambda r: r[0])  # seq is the first row field
+        rows.sort(key=_first)  # seq is the first row field
         b["n"] = len(rows)
         b["cols"] = {f: list(col) for f, col in zip(ROW_FIELDS[kind], zip(*rows))}
         out.append(b)
     return plain, out
+
+
+_first = operator.itemgetter(0)
 
 
 # ---- reading -------------------------------------------------------------------------------------

@@ -100,6 +100,7 @@ class Agent:
         self.sources: List[str] = ["proc"]
         self.bpf_problem: Optional[EnvironmentProblem] = None
         self._not_ranks: Dict[Tuple[int, str], None] = {}
+        self._tree = discover.ProcTree()  # parents read once per process, not every scan
         self._stop = threading.Event()
         self._stopped = False
         self._last_change = time.monotonic()  # when a rank last appeared, left or got its probes
@@ -235,13 +236,8 @@ class Agent:
         pids = discover.all_pids()
         if self.discover_all:
             return set(pids)
-        out: Set[int] = set()
-        if self.root_pid is not None:
-            out |= discover.descendants(self.root_pid, pids)
-        for p in self.pids:
-            out.add(p)
-            out |= discover.descendants(p, pids)
-        return out
+        roots = ([self.root_pid] if self.root_pid is not None else []) + list(self.pids)
+        return set(self.pids) | self._tree.descendants(roots, pids)
 
     def _scan(self, now: float) -> None:
         cands = self._candidates()

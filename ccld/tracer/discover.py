@@ -113,6 +113,42 @@ def descendants(root: int, pids: Optional[Iterable[int]] = None) -> Set[int]:
     return out
 
 
+class ProcTree:
+    """descendants() for an agent that asks every scan: each process's parent is read from /proc once,
+    when its pid first shows up, not on every scan (a full read of every /proc/PID/stat of a busy node
+    was a quarter of the agent's CPU). Pids gone from /proc are forgotten at the next scan.
+    Caveat: a process reparented after its parent died keeps counting as that parent's descendant
+    (for a job's ranks, what one wants), and a pid reused within one scan interval keeps its old
+    parent until it is seen gone; pid numbers wrap after pid_max (4M), so that needs millions of
+    process starts in a scan interval."""
+
+    def __init__(self) -> None:
+        self._ppid: Dict[int, int] = {}
+
+    def descendants(self, roots: Iterable[int], pids: Iterable[int]) -> Set[int]:
+        """Every live process below any of `roots` (roots themselves excluded), `pids` being /proc now."""
+        live = set(pids)
+        for gone in self._ppid.keys() - live:
+            del self._ppid[gone]
+        children: Dict[int, List[int]] = {}
+        ppid = self._ppid
+        for pid in live:
+            parent = ppid.get(pid)
+            if parent is None:
+                parent = ppid[pid] = ppid_of(pid)
+                if parent < 0:
+                    del ppid[pid]  # gone while we looked: try again next scan
+            children.setdefault(parent, []).append(pid)
+        out: Set[int] = set()
+        todo = list(roots)
+        while todo:
+            for c in children.get(todo.pop(), []):
+                if c not in out:
+                    out.add(c)
+                    todo.append(c)
+        return out
+
+
 def alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
     st = read_stat(pid)
