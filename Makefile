@@ -27,14 +27,14 @@ test-unit: setup
 bench: setup
 	$(VENV)/bin/python bench/probe_cost.py --rounds 3 --write-results
 	$(VENV)/bin/python bench/overhead.py --windows 2 --window-s 10 --configs "gloo;net,sched;all" --write-results
-	$(VENV)/bin/python bench/collector_scale.py --ranks 1024,4096 --seconds 10 --write-results
+	$(VENV)/bin/python bench/collector_scale.py --ranks 1024,4096 --seconds 10 --compare-rate 100 --write-results
 	$(VENV)/bin/python bench/accuracy.py --tick-only --write-results
 
 # The big runs (about an hour): every benchmark at full size.
 bench-long: setup
 	$(VENV)/bin/python bench/probe_cost.py --write-results
 	$(VENV)/bin/python bench/overhead.py --configs "gloo;net,sched;all" --write-results
-	$(VENV)/bin/python bench/collector_scale.py --write-results
+	$(VENV)/bin/python bench/collector_scale.py --compare-rate 100 --write-results
 	$(VENV)/bin/python bench/accuracy.py --write-results
 	$(VENV)/bin/python bench/store_bench.py --write-results
 	$(VENV)/bin/python bench/export_bench.py --write-results

@@ -12,7 +12,8 @@ clock sample, stamped when the frame was built: queueing in ZeroMQ plus waiting 
 Memory = this process's RSS growth over the run, per rank. Tick = Diagnoser.diagnose() at the end.
 Caveat: senders and collector share this machine's CPUs; the figures are floors.
 
-    .venv/bin/python bench/collector_scale.py [--ranks 1024,4096,16384] [--seconds 20] [--rate 2] [--write-results]
+    .venv/bin/python bench/collector_scale.py [--ranks 1024,4096,16384] [--seconds 20] [--rate 2]
+        [--compare-rate 100] [--rows] [--write-results]
 """
 from __future__ import annotations
 
@@ -203,29 +204,34 @@ def run(ranks: int, seconds: float, rate: float, columns: bool = True) -> Dict[s
 def write_results(rows: List[Dict[str, Any]], cmd: str) -> None:
     lines = []
     for r in rows:
-        lines.append(f"| {r['ranks']:,} | {r['offered_per_s']:,.0f} | {r['ingest_per_s']:,.0f} | "
-                     f"{(r['ingest_per_cpu_s'] or 0):,.0f} | {r['lat_p50_ms']:,.0f} / {r['lat_p99_ms']:,.0f} | "
-                     f"{r['drain_s']:.1f} s | {r['rss_peak_mib']:,.0f} MiB ({r['kib_per_rank']:.0f} KiB/rank) | "
-                     f"{r['tick_ms']:.1f} ms |")
+        lines.append(f"| {r['ranks']:,} | {r['rate']:g} | {'blocks' if r['columns'] else 'maps'} | "
+                     f"{r['offered_per_s']:,.0f} | {r['ingest_per_s']:,.0f} | "
+                     f"{(r['ingest_per_thread_cpu_s'] or 0):,.0f} | {(r['ingest_per_cpu_s'] or 0):,.0f} | "
+                     f"{r['lat_p50_ms']:,.0f} / {r['lat_p99_ms']:,.0f} | {r['drain_s']:.1f} s | "
+                     f"{r['rss_peak_mib']:,.0f} MiB ({r['kib_per_rank']:.0f} KiB/rank) | {r['tick_ms']:.1f} ms |")
     r0 = rows[0]
     body = f"""### Collector at scale: simulated agents for 1,024 to 16,384 ranks
 
 `{cmd}` as root on {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}. {SENDERS} sender processes play the nodes
-({RANKS_PER_NODE} ranks and one agent each, a frame per node every 100 ms); the job does {r0['rate']:g} world
+({RANKS_PER_NODE} ranks and one agent each, a frame per node every 100 ms); the job does `rate` world
 all-reduces a second plus one 8-rank-group collective per node each time, every rank entering (ring-ordered
 arrivals with noise), starting and ending each; {r0['seconds']:g} s of sending, then the collector drains what
-is queued. Collector in this process, storing to disk. Latency: frame built -> taken by the ingest thread.
+is queued. Collector in this process, storing to disk. Frames: collective events as column blocks
+(schema 1.4, what agents send) or one map per event (the old shape, for the ratio). Ingest thread: events
+per CPU-second of the collector's ingest thread alone (decode, store, timeline: the one core the goal
+speaks of); process: all of the collector's threads. Latency: frame built -> taken by the ingest thread.
 
-| ranks | offered events/s | ingested events/s | ingested per CPU-second | latency p50 / p99 ms | drain after | memory peak | diagnosis tick |
-|---:|---:|---:|---:|---:|---:|---:|---:|
+| ranks | rate | frames | offered events/s | ingested events/s | per CPU-s, ingest thread | per CPU-s, process | latency p50 / p99 ms | drain after | memory peak | diagnosis tick |
+|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|
 {chr(10).join(lines)}
 
 Goals: >= 1,000,000 events/s on one core; p99 <= 100 ms at 4,096 ranks; memory bounded and stated per rank;
-tick <= 20 ms at 4,096 and <= 100 ms at 16,384. The collector decodes and files every event in Python
-(~6 us to decode and ~11 us to file one on this box): it is about 10x short of the ingest goal, so any
-offered load above its rate queues in ZeroMQ (bounded per agent by RCVHWM) and latency grows with the
-backlog. Memory is bounded by the timeline's per-communicator bounds (at most ~1M per-rank entries per
-communicator), not by the run's length."""
+tick <= 20 ms at 4,096 and <= 100 ms at 16,384. Senders and collector share the machine's 2 CPUs, so
+offered loads above what the senders can make, or above what the collector gets of the CPUs, queue in
+ZeroMQ (bounded per agent by RCVHWM) and latency grows with the backlog: read latency at the low rate.
+What bounds ingest: Python work per collective per node (a few dict updates per run of 8 rows, ~10 us)
+and per frame (~12 us: MessagePack, envelope checks, clock samples). Memory is bounded by the timeline's
+per-communicator bounds (at most ~1M per-rank entries per communicator), not by the run's length."""
     write_section("collector_scale", body)
 
 
@@ -237,8 +243,9 @@ def main() -> None:
     ap.add_argument("--write-results", action="store_true")
     ap.add_argument("--rows", action="store_true", help="send every event as its own map (schema <= 1.3 shape) "
                                                        "instead of column blocks")
-    ap.add_argument("--compare", action="store_true", help="also run the first size with map-shaped events, "
-                                                          "for the ratio in one run")
+    ap.add_argument("--compare-rate", type=float, default=0.0,
+                    help="also run the first size at this rate, with column blocks and with map-shaped events "
+                         "(the ratio in one run; batched frames: a rate of 100 puts ~500 events in a frame)")
     ap.add_argument("--sender", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--nodes", default="", help=argparse.SUPPRESS)
@@ -250,16 +257,19 @@ def main() -> None:
         return
     rows = []
     sizes = [int(x) for x in a.ranks.split(",")]
-    plan = [(n, not a.rows) for n in sizes] + ([(sizes[0], False)] if a.compare and not a.rows else [])
-    for n, columns in plan:
-        r = run(n, a.seconds, a.rate, columns)
+    plan = [(n, a.rate, not a.rows) for n in sizes]
+    if a.compare_rate:
+        plan += [(sizes[0], a.compare_rate, True), (sizes[0], a.compare_rate, False)]
+    for n, rate, columns in plan:
+        r = run(n, a.seconds, rate, columns)
         print(json.dumps(r), flush=True)
         rows.append(r)
     if a.write_results:
         write_results(rows, "python bench/collector_scale.py"
                       + (f" --ranks {a.ranks}" if a.ranks != "1024,4096,16384" else "")
                       + (f" --seconds {a.seconds:g}" if a.seconds != 20 else "")
-                      + (f" --rate {a.rate:g}" if a.rate != 2 else "") + " --write-results")
+                      + (f" --rate {a.rate:g}" if a.rate != 2 else "")
+                      + (f" --compare-rate {a.compare_rate:g}" if a.compare_rate else "") + " --write-results")
 
 
 if __name__ == "__main__":
