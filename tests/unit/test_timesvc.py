@@ -58,6 +58,25 @@ def test_an_agent_measures_its_shifted_clock_against_the_service():
         svc.close()
 
 
+def test_once_the_fit_is_full_bursts_get_smaller_and_sparser(monkeypatch):
+    monkeypatch.setattr(timesync, "STEADY_AFTER", 4)
+    monkeypatch.setattr(timesync, "STEADY_INTERVAL_S", 0.2)
+    svc = TimeService("tcp://127.0.0.1:*").start()
+    sync = TimeSync(svc.endpoint, NodeClock(), interval_s=0.02, say=lambda s: None).start()
+    try:
+        assert wait(lambda: sync.steady())
+        at, n0, b0 = time.monotonic(), svc.answered, sync.bursts
+        assert wait(lambda: sync.bursts >= b0 + 5)
+        per_burst = (svc.answered - n0) / (sync.bursts - b0)
+        per_s = (sync.bursts - b0) / (time.monotonic() - at)
+        assert per_burst <= timesync.STEADY_BURST + 1, per_burst  # +1: a burst in flight at the start
+        assert per_s < 1 / 0.2 * 1.5, per_s  # a burst every 0.2 s, not every 0.02 s
+        assert sync.latest() is not None and sync.latest().samples >= 4
+    finally:
+        sync.close()
+        svc.close()
+
+
 def test_bad_requests_are_counted_and_good_ones_still_answered():
     svc = TimeService("tcp://127.0.0.1:*").start()
     ctx = zmq.Context()
