@@ -70,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="the collector's time service for clock sync (default: the collector's port + 1; "
                         "off: convert with this node's wall clock)")
     a.add_argument("--node", metavar="NAME", help="this node's name in the trace (default: the host name)")
+    a.add_argument("--spool", metavar="DIR|memory",
+                   help="keep frames here until the collector acknowledges them, and replay them after it "
+                        "restarts (default /var/lib/ccld/spool/NODE as root, else $TMPDIR/ccld-spool-UID/NODE; "
+                        "memory: keep them in memory only, up to 32 MiB)")
+    a.add_argument("--spool-max-mb", type=float, default=256, metavar="N",
+                   help="the spool's bound; beyond it the oldest frames are dropped and counted (default 256)")
     a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)  # print programs + cflags, exit
 
     r = sub.add_parser("run", help="run a command and trace every rank it starts")

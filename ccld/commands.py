@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -73,18 +74,35 @@ def cmd_agent(args) -> int:
         except PermissionError:
             raise CcldError(f"no permission to trace pid {pid}: run ccld as root (or the process's owner "
                             "with CAP_SYS_PTRACE)") from None
+    if args.spool_max_mb <= 0:
+        raise CcldError(f"--spool-max-mb must be positive, got {args.spool_max_mb:g}")
+    from ccld.tracer.spool import default_dir
+    node = args.node or socket.gethostname()
+    spool = None if args.spool == "memory" else (args.spool or default_dir(node))
     agent = Agent(args.collector, pids=args.pid, discover_all=args.discover, use_bpf=not args.no_bpf, say=_say,
-                  keys=_client_keys(args), probes=probes, node=args.node, time_service=args.time_service)
+                  keys=_client_keys(args), probes=probes, node=node, time_service=args.time_service,
+                  spool_dir=spool, spool_max_bytes=int(args.spool_max_mb * 2**20))
     agent.load()
     agent.start()
     what = f"pid {', '.join(map(str, args.pid))}" if args.pid else "every rank on this node"
-    _say(f"ccld agent: tracing {what}; sources: {', '.join(agent.sources)}; collector {args.collector}. "
-         "Ctrl-C to end")
+    _say(f"ccld agent: tracing {what}; sources: {', '.join(agent.sources)}; collector {args.collector}; "
+         f"{agent.spool.describe()}. Ctrl-C to end")
     try:
         _wait_for_signal()
     finally:
         agent.stop()
+        _say(_shipped_line(agent.shipper.stats()))
     return 0
+
+
+def _shipped_line(s) -> str:
+    """The agent's last line: what it shipped, sent again, and lost (the counters it ships, and more)."""
+    lost = s["queue_dropped"] + s["spool_dropped_events"]
+    return (f"ccld agent: shipped {s['sent_frames']} frames ({s['sent_events']} events); replayed "
+            f"{s['spool_replayed_frames']} after {s['collector_restarts']} collector restarts and "
+            f"{s['disconnects']} disconnects; lost {lost} events (queue {s['queue_dropped']}, spool "
+            f"{s['spool_dropped_frames']} frames); {s['spool_unacked_evicted_frames']} unacknowledged frames "
+            f"evicted; {s['spool_frames']} frames left in the spool")
 
 
 def _serve_metrics(collector, addr):

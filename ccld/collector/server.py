@@ -10,6 +10,8 @@ are converted from the agents' clocks by the timeline. Bounds: ZeroMQ holds at m
 per agent connection (beyond that agents queue and count their own drops); stop() ingests what is
 queued for STOP_DRAIN_S and counts the rest (frames_dropped_at_stop); bad frames are counted
 by reason and logged at most once per LOG_EVERY_S per reason; nothing received stops the collector.
+Frames an agent may send again (marked "resend") are stored once: acks.py drops the copies and
+answers the agents' "ack?" on the time service with what the store has flushed.
 Caveat: frames larger than MAXMSGSIZE_BYTES make ZeroMQ drop the sender's connection (it reconnects);
 that protects our memory and is far above any real frame (events.MAX_FRAME_BYTES).
 """
@@ -25,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 import zmq
 
 from ccld import events as ev
+from ccld.collector.acks import DUPLICATE, AckBook
 from ccld.collector.ingest import IngestCounters, decode_frame
 from ccld.collector.store import StoreWriter
 from ccld.collector.timeline import Timeline
@@ -94,6 +97,7 @@ class Collector:
         self.tick_s = tick_s
         self.timeline = Timeline()
         self.counters = IngestCounters()
+        self.acks = AckBook()  # resent frames dropped, agents' "ack?" answered (acks.py)
         self.diagnoser = Diagnoser(self.timeline, floor_s=floor_s, k=k, stacks=StackTaker() if stacks else None)
         self.tracker = FindingTracker()
         self._silent_agents: set = set()
@@ -125,6 +129,7 @@ class Collector:
         try:
             if self.store_dir:
                 self._store = StoreWriter(self.store_dir)
+                self.acks.use_store(self._store, self.store_dir)  # what it holds: replays are deduplicated
             if self.findings_path:
                 try:
                     self._findings_file = open(self.findings_path, "a", encoding="utf-8")
@@ -144,7 +149,7 @@ class Collector:
                 raise CollectorError(f"cannot listen on {self.listen}: {e}") from None
             self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self.time_service = start_time_service(self.endpoint, self.time_listen, self.keys, self._say,
-                                                   wildcard=self.listen.endswith(":*"))
+                                                   wildcard=self.listen.endswith(":*"), acks=self.acks)
         except BaseException:
             self._close_resources()
             raise
@@ -260,6 +265,9 @@ class Collector:
 
     def handle_frame(self, frame: bytes, recv_unix: float) -> None:
         """Decode, count, store and ingest one frame (the ingest thread's job; public for tests)."""
+        ticket = self.acks.admit(frame)  # from the envelope's first bytes: a replay costs no decode
+        if ticket is DUPLICATE:
+            return  # an agent sent it again after a restart, and it is stored already (counted)
         with self._lock:
             batch, err = decode_frame(frame, self.counters)
         if err is not None:
@@ -268,10 +276,13 @@ class Collector:
         if self._store is not None:
             try:
                 self._store.append(frame, recv_unix)
+                self.acks.stored(ticket, self._store.records)
             except OSError as e:  # disk full, store removed: keep diagnosing live, say what is not stored
                 self.store_errors += 1
                 self._log_reject("store", f"cannot append to store {self.store_dir} "
                                           f"({self.store_errors} frames not stored): {e}")
+        else:
+            self.acks.stored(ticket, None)
         with self._lock:
             self.timeline.ingest(batch, recv_unix)
         for e in batch.errors:
@@ -371,6 +382,6 @@ class Collector:
                  recoveries=len(self.recoveries), updates=self.updates, active_findings=len(self.tracker.active),
                  findings_not_kept=self.findings_not_kept, internal_errors=self.internal_errors,
                  store_errors=self.store_errors, frames_dropped_at_stop=self.frames_dropped_at_stop,
-                 store_records=self._store.records if self._store else None,
+                 store_records=self._store.records if self._store else None, **self.acks.counters(),
                  time_service=self.time_service.stats() if self.time_service else None)
         return d

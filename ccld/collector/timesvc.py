@@ -9,6 +9,9 @@ per start: an agent that sees it change starts its fit over.
 One thread answers at once (t2 and t3 are read around nothing but the reply's packing). Bad requests
 (not a 2-int list, too big) are counted and dropped. With CurveZMQ keys it authenticates as the
 event socket does, on a context of its own (one ZAP handler per context).
+It also answers the agents' "ack?" requests (["ack", seq, [[agent, floor], ...]], see
+ccld/tracer/ackclient.py) from the collector's AckBook (acks.py), with this same epoch: the agent
+that sees it change knows the collector restarted and replays what was not acknowledged.
 Caveat: the reply's timestamps are taken in Python, after ZeroMQ's I/O thread handed the request
 over; that delay is part of the measured round trip, which is why agents keep the fastest exchanges.
 """
@@ -29,7 +32,8 @@ from ccld.errors import CcldError
 log = logging.getLogger("ccld.timesvc")
 
 POLL_MS = 100             # the thread notices stop() within this
-MAX_REQUEST_BYTES = 64    # [seq, t1] packs into < 20 bytes; anything bigger is not ours
+MAX_REQUEST_BYTES = 64    # [seq, t1] packs into < 20 bytes; anything bigger is not ours ...
+MAX_ACK_REQUEST_BYTES = 4096  # ... but an ack request: 16 agent ids of <= 256 characters, said in < 4 KiB
 
 
 class TimeServiceError(CcldError):
@@ -46,8 +50,9 @@ def default_time_endpoint(endpoint: str) -> Optional[str]:
 
 
 class TimeService:
-    def __init__(self, listen: str, keys=None, on_refused: Callable[[str], None] = print):
+    def __init__(self, listen: str, keys=None, on_refused: Callable[[str], None] = print, acks=None):
         self.listen = listen
+        self.acks = acks  # acks.AckBook: answers "ack?" requests (None: they are bad requests)
         self.keys = keys
         self.on_refused = on_refused
         self.epoch = secrets.randbits(31) | 1
@@ -55,6 +60,7 @@ class TimeService:
         self.anchor_ns = wall - mono   # collector timebase = CLOCK_MONOTONIC + anchor_ns (Unix ns)
         self.endpoint: Optional[str] = None
         self.answered = 0
+        self.answered_acks = 0
         self.bad_requests = 0
         self._ctx: Optional[zmq.Context] = None
         self._sock = None
@@ -108,12 +114,23 @@ class TimeService:
                 time.sleep(POLL_MS / 1000)
 
     def _answer(self, sock, parts, t2: int) -> None:
-        if len(parts) != 2 or len(parts[1]) > MAX_REQUEST_BYTES:
+        if len(parts) != 2 or len(parts[1]) > MAX_ACK_REQUEST_BYTES:
             self.bad_requests += 1
             return
         try:
             req = msgpack.unpackb(parts[1], raw=False)
         except Exception:
+            self.bad_requests += 1
+            return
+        if isinstance(req, list) and req and req[0] == "ack":
+            reply = self.acks.answer(req) if self.acks is not None else None
+            if reply is None:
+                self.bad_requests += 1
+                return
+            sock.send_multipart([parts[0], msgpack.packb(["ack", reply[0], self.epoch, reply[1]])], zmq.NOBLOCK)
+            self.answered_acks += 1
+            return
+        if len(parts[1]) > MAX_REQUEST_BYTES:
             self.bad_requests += 1
             return
         if (not isinstance(req, list) or len(req) != 2
@@ -144,11 +161,28 @@ class TimeService:
 
     def stats(self) -> dict:
         return {"endpoint": self.endpoint, "epoch": self.epoch, "anchor_ns": self.anchor_ns,
-                "answered": self.answered, "bad_requests": self.bad_requests}
+                "answered": self.answered, "answered_acks": self.answered_acks, "bad_requests": self.bad_requests}
+
+
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A free TCP port p on `host` whose successor is free too: a collector's events port and its time
+    service's default (p + 1). For tests and benchmarks; another process may take either port later."""
+    import socket
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            p = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind((host, p + 1))
+            return p
+        except OSError:
+            continue
+    raise TimeServiceError(f"no two consecutive free ports on {host} in 50 tries")
 
 
 def start_time_service(events_endpoint: str, time_listen: Optional[str], keys,
-                       say: Callable[[str], None], wildcard: bool = False) -> Optional[TimeService]:
+                       say: Callable[[str], None], wildcard: bool = False, acks=None) -> Optional[TimeService]:
     """The collector's time service, or None. time_listen: "auto" (the events port + 1, where agents
     look by default; when that is taken, any free port, said once, since agents then need
     --time-service, unless the events port was itself chosen by the system: `wildcard`, as `ccld run`
@@ -156,17 +190,17 @@ def start_time_service(events_endpoint: str, time_listen: Optional[str], keys,
     if not time_listen or time_listen == "off":
         return None
     if time_listen != "auto":
-        return TimeService(time_listen, keys, say).start()
+        return TimeService(time_listen, keys, say, acks).start()
     want = default_time_endpoint(events_endpoint)
     if want is not None:
         try:
-            return TimeService(want, keys, say).start()
+            return TimeService(want, keys, say, acks).start()
         except TimeServiceError:
             pass
     host = re.match(r"^(tcp://.+):[^:]+$", events_endpoint or "")
     if host is None:  # ipc:// or inproc://: agents on this machine share its clock anyway
         return None
-    svc = TimeService(f"{host.group(1)}:*", keys, say).start()
+    svc = TimeService(f"{host.group(1)}:*", keys, say, acks).start()
     if not wildcard:
         say(f"ccld: note: the time service is on {svc.endpoint} ({want or 'the events port + 1'} was not "
             f"free); start agents with --time-service {svc.endpoint}")

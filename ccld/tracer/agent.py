@@ -7,7 +7,8 @@ descendants (`ccld agent --pid`), or anywhere on the node (`--discover`). Times 
 CLOCK_MONOTONIC ns (shifted by CCLD_TEST_CLOCK in tests: nodeclock.py), measured against the
 collector's clock by timesync.py. A failure on one rank or one library is a warning; the agent
 keeps going, and nothing here can block or fail the traced job (probes are entry-only, the queue
-drops when full).
+drops when full). Frames wait in a spool (spool.py; on disk with `ccld agent`) until the collector
+acknowledges them, and are sent again after it restarts.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ccld.errors import CcldError, EnvironmentProblem
 from ccld.tracer import discover, ibcounters, procstate
 from ccld.tracer.nodeclock import NodeClock
 from ccld.tracer.shipper import Shipper
+from ccld.tracer.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_BYTES, Spool
 
 log = logging.getLogger("ccld.agent")
 
@@ -85,7 +87,8 @@ class Agent:
     def __init__(self, endpoint: str, *, pids: Sequence[int] = (), root_pid: Optional[int] = None,
                  discover_all: bool = False, use_bpf: bool = True, say: Callable[[str], None] = print,
                  node: Optional[str] = None, keys=None, probes: Sequence[str] = FAMILY_NAMES,
-                 time_service: Optional[str] = None, clock: Optional[NodeClock] = None):
+                 time_service: Optional[str] = None, clock: Optional[NodeClock] = None,
+                 spool_dir: Optional[str] = None, spool_max_bytes: int = DEFAULT_SPOOL_BYTES):
         if not pids and root_pid is None and not discover_all:
             raise CcldError("the agent needs something to trace: --pid PID, --discover, or a command (ccld run)")
         self.endpoint = endpoint
@@ -112,8 +115,12 @@ class Agent:
         self.time_service = default_time_endpoint(endpoint) if time_service is None else time_service
         self.timesync = (TimeSync(self.time_service, self.clock, keys=keys, say=say)
                          if self.time_service and self.time_service != "off" else None)
+        # Frames wait in the spool until the collector acknowledges them (asked on the time service);
+        # on disk with a spool_dir (`ccld agent`), else in memory.
+        self.spool = Spool(spool_dir, spool_max_bytes, collector=endpoint, say=say).open()
         self.shipper = Shipper(endpoint, self.agent_id, self.node, extra_loss=self._loss, keys=keys,
-                               clock=self.clock, sync=self.timesync)
+                               clock=self.clock, sync=self.timesync, spool=self.spool,
+                               acks=self.timesync.endpoint if self.timesync is not None else None, say=say)
         self.cupti_sink = None  # CuptiSink: the CUPTI shim's records, when ccld run injects it (open_cupti_sink)
         self.nic = ibcounters.CounterReader()  # RDMA NIC port counters, sampled when the node has any
 

@@ -1,13 +1,21 @@
-"""Ship events to the collector: a bounded queue, batches, ZeroMQ PUSH, counted drops.
+"""Ship events to the collector: a bounded queue, batches, a spool, ZeroMQ PUSH, acknowledged replay.
 
 `put()` never blocks and never raises: when the queue is full the event is dropped and counted,
 because the traced job (whose probes feed us) must never wait on the collector. A sender thread
-sends a batch every FLUSH_INTERVAL_MS (or sooner when MAX_BATCH events are waiting), each with a
-fresh ClockSample and, once clock sync has one, the newest ClockSync estimate first (timesync.py),
-so the collector can convert this node's monotonic times; frames are held until clock sync settles.
-Every event passes NodeClock.event here, the one place a test clock (CCLD_TEST_CLOCK) is applied.
-ZeroMQ reconnects by itself when the collector goes away and comes back; batches that cannot be sent
-while it is away wait in the queue (up to its bound) and are then dropped and counted.
+turns the queue into frames every FLUSH_INTERVAL_MS (or sooner when MAX_BATCH events are waiting),
+each with a fresh ClockSample and, once clock sync has one, the newest ClockSync estimate first
+(timesync.py), so the collector can convert this node's monotonic times; frames are held until clock
+sync settles. Every event passes NodeClock.event here, the one place a test clock (CCLD_TEST_CLOCK)
+is applied.
+Every frame goes to the spool (spool.py: on disk with `ccld agent`, else in memory) and is sent from
+there in order. The collector's "ack?" answers (ackclient.py, on its time service) say which batches
+its store holds: frames stay in the spool until acknowledged, and the send cursor goes back to the
+oldest unacknowledged frame (a replay, deduplicated by the collector) when the connection drops, when
+the collector's epoch changes (it restarted), or when acks stop advancing for STALL_S while frames
+are out. Without an ack channel (time service off), or when none is answered ACK_CONFIRM_S after
+frames went out (an older collector), a frame is let go once ZeroMQ takes it, and the spool only
+bridges the time the collector is away.
+Only the sender thread touches the spool, the sockets and the ack client.
 """
 from __future__ import annotations
 
@@ -18,17 +26,24 @@ import time
 from typing import Callable, Dict, List, Optional
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ccld import events as ev
 from ccld.tracer.nodeclock import NodeClock
+from ccld.tracer.spool import Spool
 
 log = logging.getLogger("ccld.shipper")
 
 FLUSH_INTERVAL_MS = 100   # end-to-end latency budget is seconds; 100 ms keeps frames few and small
 MAX_BATCH = 2048          # events per frame; ~150 B each -> ~300 KiB frames at most
-QUEUE_LIMIT = 200_000     # ~30 MiB of events; minutes of a busy node's output while the collector is away
+QUEUE_LIMIT = 200_000     # ~30 MiB of events waiting to become frames (the sender drains it every tick)
 SNDHWM = 64               # frames ZeroMQ may hold per connection before send would block
 LOSS_EVERY_S = 2.0        # how often the cumulative loss counters are shipped
+ACK_INTERVAL_S = 0.5      # "ack?" this often: the collector's store flushes every 0.5 s
+STALL_S = 5.0             # acks answered but not advancing this long while frames are out: send them again
+STALL_MAX_S = 60.0        # ... and again after twice as long each time (a slow collector is not flooded)
+STOP_POLL_S = 0.02        # close(): how often the last sends and acks are tried
+ACK_CONFIRM_S = 5.0       # frames sent this long without any "ack?" answered: the collector does not ack
 
 
 def clock_sample() -> ev.ClockSample:
@@ -40,31 +55,55 @@ def clock_sample() -> ev.ClockSample:
 class Shipper:
     def __init__(self, endpoint: str, agent: str, node: str,
                  extra_loss: Optional[Callable[[], Dict[str, int]]] = None, keys=None,
-                 clock: Optional[NodeClock] = None, sync=None):
+                 clock: Optional[NodeClock] = None, sync=None, spool: Optional[Spool] = None,
+                 acks: Optional[str] = None, say: Optional[Callable[[str], None]] = None):
         self.endpoint, self.agent, self.node = endpoint, agent, node
         self.clock = clock or NodeClock()
         self.sync = sync  # timesync.TimeSync (or None): its latest() estimate rides in every frame
         self.extra_loss = extra_loss or (lambda: {})
+        self.say = say or (lambda line: log.warning("%s", line))
+        self.spool = spool if spool is not None else Spool(None, collector=endpoint, say=self.say).open()
         self.queue: collections.deque = collections.deque()
         self.dropped = 0
         self.sent_events = 0
-        self.sent_frames = 0
+        self.sent_frames = 0          # distinct frames sent (a replayed one counts once, here)
+        self.disconnects = 0
+        self.collector_restarts = 0   # epoch changes seen in the acks
+        self.stall_replays = 0
+        self.ack_regressions = 0
+        self.internal_errors = 0
         self._batch_no = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._stop_by = 0.0
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 200)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        # Queue only to a live connection: frames waiting for a collector wait in the spool, and what
+        # ZeroMQ held when a connection dropped is gone with it (replayed from the spool), not sent
+        # later out of order.
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)  # a restarted collector gets the spool within ~0.5 s
         if keys is not None:  # security.ClientKeys: CurveZMQ to a collector that lists our key
             from ccld.security import secure_client
             secure_client(self._sock, keys)
+        self._mon = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
-        self._pending: Optional[bytes] = None
-        self._pending_n = 0
+        self._acker = None
+        if acks:
+            from ccld.tracer.ackclient import AckClient
+            self._acker = AckClient(acks, keys)
+        self._epoch: Optional[int] = None
+        self._rewound: Optional[int] = None  # frames the cursor went back over at a disconnect since the last ack
+        self._next_ack = 0.0
+        self._stall_since = 0.0
+        self._stall_after = STALL_S
+        self._first_sent_at: Optional[float] = None
+        self._no_acks_said = False
+        self.spool.retain = self._acker is not None  # until the collector turns out not to acknowledge
         self._thread = threading.Thread(target=self._run, name="ccld-shipper", daemon=True)
 
     def start(self) -> "Shipper":
@@ -82,22 +121,29 @@ class Shipper:
 
     def loss(self) -> Dict[str, int]:
         out = {"queue_dropped": self.dropped}
+        out.update(self.spool.loss())
         out.update(self.extra_loss())
         return out
+
+    def stats(self) -> Dict[str, int]:
+        """What was shipped, replayed and lost so far (the agent prints it at exit)."""
+        out = {"sent_frames": self.sent_frames, "sent_events": self.sent_events, "queue_dropped": self.dropped,
+               "disconnects": self.disconnects, "collector_restarts": self.collector_restarts,
+               "stall_replays": self.stall_replays, "ack_regressions": self.ack_regressions,
+               "acks_on": int(self.spool.retain), "internal_errors": self.internal_errors}
+        out.update(self.spool.stats())
+        return out
+
+    @property
+    def last_batch(self) -> int:
+        """The number of the newest frame made (frames are numbered 1, 2, 3... per agent id)."""
+        return self._batch_no
 
     def _take(self, n: int) -> List[ev.Event]:
         with self._lock:
             return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
 
-    def _send_pending(self) -> bool:
-        try:
-            self._sock.send(self._pending, zmq.NOBLOCK)
-        except zmq.Again:
-            return False  # collector away or slow: keep the frame, try again next tick
-        self.sent_frames += 1
-        self.sent_events += self._pending_n
-        self._pending, self._pending_n = None, 0
-        return True
+    # ---- the sender thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
         last_loss = 0.0
@@ -105,46 +151,153 @@ class Shipper:
             stopping = self._stop.is_set()
             self._wake.wait(FLUSH_INTERVAL_MS / 1000)
             self._wake.clear()
-            if self.sync is not None and not stopping and not self.sync.settled.is_set():
-                self.sync.settled.wait(FLUSH_INTERVAL_MS / 1000)  # first estimate (or fallback) first
-                continue
-            while True:
-                if self._pending is None:
-                    batch = self._take(MAX_BATCH)
-                    now = time.monotonic()
-                    if now - last_loss >= LOSS_EVERY_S or stopping:
-                        batch.append(ev.LossCounters(ts_ns=time.monotonic_ns(), counters=self.loss()))
-                        last_loss = now
-                    sync = self.sync.latest() if self.sync is not None else None
-                    if sync is not None:
-                        batch.insert(0, sync)  # first: this frame's events convert with the newest estimate
-                    batch.append(clock_sample())
-                    if not self.clock.identity:
-                        batch = [self.clock.event(e) for e in batch]
-                    self._batch_no += 1
-                    self._pending = ev.encode_batch(self.agent, self.node, self._batch_no, batch)
-                    self._pending_n = len(batch)
-                if not self._send_pending():
-                    with self._lock:  # while we cannot send, the queue bound is what limits memory
-                        over = len(self.queue) - QUEUE_LIMIT
-                        for _ in range(max(0, over)):
-                            self.queue.popleft()
-                            self.dropped += 1
-                    break
-                with self._lock:
-                    if not self.queue:
-                        break
+            try:
+                self._watch()
+                self._exchange_acks(time.monotonic())
+                if self.sync is not None and not stopping and not self.sync.settled.is_set():
+                    self.sync.settled.wait(FLUSH_INTERVAL_MS / 1000)  # first estimate (or fallback) first
+                    continue
+                last_loss = self._frame_queued(last_loss, stopping)
+                self._send()
+                if stopping:
+                    self._finish()
+            except Exception:  # a bug here must not end shipping, nor ever reach the job
+                self.internal_errors += 1
+                log.exception("shipper error (%d so far); continuing", self.internal_errors)
+                if stopping:
+                    return
             if stopping:
                 return
 
+    def _frame_queued(self, last_loss: float, stopping: bool) -> float:
+        """Turn what is queued into frames in the spool (at least one a tick: its clock sample is the
+        agent's heartbeat). Bounded per tick, so a producer faster than us cannot starve the sends."""
+        with self._lock:
+            frames = max(1, -(-len(self.queue) // MAX_BATCH))
+        for i in range(frames):
+            batch = self._take(MAX_BATCH)
+            now = time.monotonic()
+            if i == frames - 1 and (now - last_loss >= LOSS_EVERY_S or stopping):
+                batch.append(ev.LossCounters(ts_ns=time.monotonic_ns(), counters=self.loss()))
+                last_loss = now
+            sync = self.sync.latest() if self.sync is not None else None
+            if sync is not None:
+                batch.insert(0, sync)  # first: this frame's events convert with the newest estimate
+            batch.append(clock_sample())
+            if not self.clock.identity:
+                batch = [self.clock.event(e) for e in batch]
+            self._batch_no += 1
+            frame = ev.encode_batch(self.agent, self.node, self._batch_no, batch, resend=True)
+            self.spool.append(self.agent, self._batch_no, len(batch), frame)
+        return last_loss
+
+    def _send(self) -> None:
+        while True:
+            got = self.spool.peek()
+            if got is None:
+                return
+            frame, n = got
+            try:
+                self._sock.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+            except zmq.Again:
+                return  # collector away or slow: the spool keeps it; try again next tick
+            if not self.spool.sent():
+                self.sent_frames += 1
+                self.sent_events += n
+            if self._first_sent_at is None:
+                self._first_sent_at = time.monotonic()
+
+    def _watch(self) -> None:
+        """A dropped connection loses what ZeroMQ held for it: send from the oldest unacknowledged frame."""
+        while self._mon.poll(0):
+            try:
+                msg = recv_monitor_message(self._mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if msg.get("event") == zmq.EVENT_DISCONNECTED:
+                self.disconnects += 1
+                if self.spool.retain:
+                    self._rewound = self.spool.rewind()
+
+    def _exchange_acks(self, now: float) -> None:
+        if self._acker is None:
+            return
+        for epoch, pairs in self._acker.replies():
+            self._on_ack(epoch, pairs, now)
+        if (self._epoch is None and self.spool.retain and self._first_sent_at is not None
+                and now - self._first_sent_at >= ACK_CONFIRM_S):
+            self.spool.set_retain(False)  # nobody acknowledges: holding frames would only fill the spool
+            if not self._no_acks_said:
+                self._no_acks_said = True
+                self.say(f"ccld: note: no acknowledgement from {self._acker.endpoint} (an older collector, "
+                         "or its time service is off): frames sent before a collector restart are not replayed")
+        if now >= self._next_ack:
+            self._next_ack = now + ACK_INTERVAL_S
+            floors = self.spool.floors()
+            floors.setdefault(self.agent, self._batch_no + 1)
+            self._acker.request(floors)
+
+    def _on_ack(self, epoch: int, pairs, now: float) -> None:
+        if not self.spool.retain:
+            self.spool.set_retain(True)  # the collector acknowledges (after all): keep frames until it does
+        if self._epoch is None or epoch != self._epoch:
+            self._stall_since = now  # a first answer, or a new collector: the stall clock starts now
+        if self._epoch is not None and epoch != self._epoch:
+            self.collector_restarts += 1
+            n = self._rewound if self._rewound is not None else self.spool.rewind()
+            self.say(f"ccld: the collector restarted; sending again the {n} frames it had not acknowledged")
+        self._epoch = epoch
+        self._rewound = None
+        progressed = False
+        for agent, upto in pairs:
+            before = self.spool.acked(agent)
+            if upto < before:
+                self.ack_regressions += 1  # it lost frames it had acknowledged (a new store?): nothing to resend
+                if self.ack_regressions == 1:
+                    self.say(f"ccld: warning: the collector now acknowledges {agent} up to batch {upto}, "
+                             f"after {before}: frames it had acknowledged are gone from its store")
+            elif upto > before:
+                progressed = True
+            self.spool.ack(agent, upto)
+        if progressed or self.spool.unacked() == 0:
+            self._stall_since = now
+            self._stall_after = STALL_S
+        elif now - self._stall_since >= self._stall_after:
+            self.stall_replays += 1
+            log.info("shipper: no acknowledgement for %.0f s with %d frames out; sending them again",
+                     now - self._stall_since, self.spool.unacked())
+            self.spool.rewind()
+            self._stall_since = now
+            self._stall_after = min(self._stall_after * 2, STALL_MAX_S)
+
+    def _finish(self) -> None:
+        """Stopping: send what is left and wait for its acknowledgement, until close()'s deadline."""
+        while time.monotonic() < self._stop_by:
+            self._watch()
+            self._exchange_acks(time.monotonic())
+            self._send()
+            if self.spool.unsent() == 0 and (not self.spool.retain or self.spool.unacked() == 0):
+                return
+            time.sleep(STOP_POLL_S)
+
     def close(self, timeout_s: float = 2.0) -> None:
-        """Send what is queued (for up to timeout_s), then close the socket."""
+        """Send what is queued and have it acknowledged (for up to timeout_s), then close. A disk spool
+        keeps what is left for the next start; in memory it is counted as dropped."""
+        self._stop_by = time.monotonic() + timeout_s
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
-            self._thread.join(timeout_s)
+            self._thread.join(timeout_s + 1.0)
         with self._lock:
             self.dropped += len(self.queue)
             self.queue.clear()
+        if self._thread.is_alive():  # never close sockets under the thread using them
+            log.warning("shipper thread did not stop; leaving its sockets open")
+            return
+        self.spool.close()
+        self._sock.disable_monitor()
+        self._mon.close(linger=0)
+        if self._acker is not None:
+            self._acker.close()
         self._sock.close(linger=int(timeout_s * 1000))
         self._ctx.term()

@@ -1,7 +1,11 @@
 """The command line: clear one-line errors for bad input and missing privileges, no tracebacks."""
 import os
+import re
+import signal
+import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -64,3 +68,33 @@ def test_keys_verb_makes_an_owner_only_secret(tmp_path):
     r = ccld("keys", str(tmp_path / "k"), "collector")
     assert r.returncode == 0, r.stderr
     assert oct(os.stat(tmp_path / "k" / "collector.key_secret").st_mode & 0o777) == "0o600"
+
+
+def test_agent_spools_to_an_owner_only_directory_and_says_what_it_shipped(tmp_path):
+    """No collector at all: every frame stays in the spool, and the exit line says so."""
+    spool = tmp_path / "spool"
+    p = subprocess.Popen(CCLD + ["agent", "--pid", str(os.getpid()), "--no-bpf", "--collector",
+                                 "tcp://127.0.0.1:1", "--time-service", "off", "--spool", str(spool),
+                                 "--spool-max-mb", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(spool.glob("frames-*.spool")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out = p.communicate(timeout=60)[0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out
+    assert f"; spool {spool} (1 MiB). Ctrl-C to end" in out
+    m = re.search(r"ccld agent: shipped 0 frames .* lost 0 events .* (\d+) frames left in the spool", out)
+    assert m and int(m.group(1)) > 0, out
+    assert stat.S_IMODE(spool.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in spool.iterdir())
+
+
+def test_agent_spool_bound_must_be_positive():
+    r = ccld("agent", "--pid", str(os.getpid()), "--spool-max-mb", "0")
+    assert r.returncode == 1 and "--spool-max-mb must be positive" in r.stderr

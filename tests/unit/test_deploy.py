@@ -88,6 +88,9 @@ def test_agent_daemonset_can_trace_every_rank_on_its_node():
     assert secret["defaultMode"] == 0o400  # ccld refuses a secret key others can read
     assert os.path.basename(args.curve_key) == "agent.key_secret"
     assert os.path.basename(args.collector_key) == "collector.key"
+    # the spool lives on the node, so frames the collector has not stored survive a replaced pod
+    spool_mount = next(m for m in c["volumeMounts"] if args.spool.startswith(m["mountPath"] + "/"))
+    assert host[spool_mount["name"]] == spool_mount["mountPath"] and not spool_mount.get("readOnly")
 
 
 def test_collector_deployment_and_service_agree():

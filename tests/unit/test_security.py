@@ -78,3 +78,30 @@ def test_only_listed_agents_get_in_and_refusals_are_logged(tmp_path):
         for s in shippers:
             s.close(timeout_s=0.2)
         coll.stop()
+
+
+def test_acknowledgements_go_over_curve_too_and_only_to_listed_agents(tmp_path):
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    for name in ("collector", "good", "stranger"):
+        make_keypair(str(keys), name)
+    allowed.mkdir()
+    (allowed / "good.key").write_bytes((keys / "good.key").read_bytes())
+    coll = Collector(listen="tcp://127.0.0.1:*", on_line=lambda s: None,
+                     keys=ServerKeys(str(keys / "collector.key_secret"), str(allowed))).start()
+    acks = coll.time_service.endpoint
+    good = Shipper(coll.endpoint, "good-agent", "n1", acks=acks,
+                   keys=ClientKeys(str(keys / "good.key_secret"), str(keys / "collector.key"))).start()
+    bad = Shipper(coll.endpoint, "bad-agent", "n2", acks=acks,
+                  keys=ClientKeys(str(keys / "stranger.key_secret"), str(keys / "collector.key"))).start()
+    try:
+        for s in (good, bad):
+            s.put(ev.RankState(pid=1, rank=0, ts_ns=1, state="S"))
+        end = time.time() + 10
+        while good.spool.acked("good-agent") < 1 and time.time() < end:
+            time.sleep(0.05)
+        assert good.spool.acked("good-agent") >= 1 and good.stats()["acks_on"] == 1
+        assert bad._acker.replies_taken == 0 and bad.spool.acked("bad-agent") == 0
+    finally:
+        good.close(timeout_s=0.2)
+        bad.close(timeout_s=0.2)
+        coll.stop()

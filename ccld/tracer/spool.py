@@ -1,0 +1,568 @@
+"""The agent's spool: every frame the shipper makes waits here until the collector acknowledges it.
+
+A bounded FIFO of encoded frames, on disk (a directory of segment files) or, with no directory or
+after a disk error, in memory (a smaller bound). The shipper's sender thread is its only user, never
+the probe path: frames are appended in batch order, sent from a cursor, released once acknowledged
+(or once sent, while the collector does not acknowledge), and the cursor goes back to the oldest
+unacknowledged frame to replay them after a collector restart.
+
+Layout of a spool directory (owner-only; one agent at a time):
+    spool.lock              flock()ed by the agent using it (its pid inside); the kernel frees it
+    spool.json              {"format": "ccld-spool", "version": 1, "collector": ENDPOINT}
+    frames-00000001.spool   records back to back; a new file every segment_bytes and at every start
+A record, big-endian: magic c1 cc 5b 01, u32 crc32 of everything after this field, u32 frame length,
+u64 batch, u32 events in the frame, u16 agent id length, the agent id (UTF-8), then the frame exactly
+as sent (events.encode_batch). Records are written, not fsynced: the spool survives a killed agent
+(the page cache has it), not a power cut.
+Bounds: max_bytes of segment files on disk (DEFAULT_MAX_BYTES), MEMORY_BYTES in memory. Overflow
+evicts the oldest segment whole (1/SEGMENTS_PER_BOUND of the bound): its frames that were never sent
+are lost and counted (dropped_frames, dropped_events); those sent but not yet acknowledged are
+counted apart (unacked_evicted_frames: lost only if the collector lost them too).
+Start: an existing spool is read back in order. A damaged record is reported with its segment and
+offset and skipped (reading resumes at the next record that checks out), a torn tail likewise;
+frames spooled for another collector (spool.json) are discarded, said and counted.
+Caveat: a disk error (full, read-only, removed) switches to memory for the rest of the run, said once;
+frames already on disk are still sent from there.
+"""
+from __future__ import annotations
+
+import array
+import bisect
+import collections
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import stat
+import struct
+import tempfile
+import zlib
+from typing import Callable, Deque, Dict, List, Optional, Tuple
+
+log = logging.getLogger("ccld.spool")
+
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024  # ~4 min of a busy node (1 MB/s of frames), ~days of an idle one
+MEMORY_BYTES = 32 * 1024 * 1024        # in memory: the size of the shipper's event queue (QUEUE_LIMIT)
+SEGMENTS_PER_BOUND = 16                # overflow evicts one segment: 1/16 of the bound at a time
+MAX_SEGMENT_BYTES = 16 * 1024 * 1024   # ... and never more than this at once
+MIN_SEGMENT_BYTES = 4096
+TAIL_CACHE_FRAMES = 256                # frames just written, kept to be sent without reading them back
+TAIL_CACHE_BYTES = 8 * 1024 * 1024
+PROBLEMS_SAID = 8                      # damaged regions said one by one at start; the rest are counted
+MAX_AGENT_ID_BYTES = 255
+MAX_RECORD_FRAME = 64 * 1024 * 1024    # sanity bound when reading back: a larger length is damage
+MAGIC = b"\xc1\xcc\x5b\x01"            # 0xc1 is never a MessagePack type byte, as in the store
+HEAD = struct.Struct(">4sIIQIH")       # magic, crc, frame length, batch, events, agent id length
+LOCK_FILE, META_FILE = "spool.lock", "spool.json"
+_SEGMENT_RE = re.compile(r"^frames-(\d{8,})\.spool$")
+
+
+def default_dir(node: str) -> str:
+    """Where `ccld agent` spools by default: /var/lib/ccld/spool/NODE as root, else under the temp dir."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "node"
+    if os.geteuid() == 0:
+        return os.path.join("/var/lib/ccld/spool", safe)
+    return os.path.join(tempfile.gettempdir(), f"ccld-spool-{os.geteuid()}", safe)
+
+
+def segment_name(no: int) -> str:
+    return f"frames-{no:08d}.spool"
+
+
+class _Seg:
+    """One segment: frames at global positions [start, start + len). On disk (fd, offsets of the frame
+    bytes) or in memory (data). Agents come in runs: run_starts[k] is the first local index of run k."""
+    __slots__ = ("no", "path", "fd", "start", "offsets", "lengths", "batches", "events", "run_starts",
+                 "run_agents", "data", "size")
+
+    def __init__(self, no: int, start: int, path: Optional[str] = None, fd: Optional[int] = None):
+        self.no, self.start, self.path, self.fd = no, start, path, fd
+        self.offsets = array.array("Q")
+        self.lengths = array.array("I")
+        self.batches = array.array("Q")
+        self.events = array.array("I")
+        self.run_starts: List[int] = []
+        self.run_agents: List[int] = []
+        self.data: Optional[List[bytes]] = None if path else []
+        self.size = 0  # bytes it takes: file bytes on disk, frame bytes in memory
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def add(self, agent: int, batch: int, events: int, offset: int, length: int) -> None:
+        if not self.run_agents or self.run_agents[-1] != agent:
+            self.run_starts.append(len(self.batches))
+            self.run_agents.append(agent)
+        self.offsets.append(offset)
+        self.lengths.append(length)
+        self.batches.append(batch)
+        self.events.append(events)
+
+    def agent_at(self, i: int) -> int:
+        return self.run_agents[bisect.bisect_right(self.run_starts, i) - 1]
+
+
+class Spool:
+    def __init__(self, directory: Optional[str] = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                 collector: str = "", say: Optional[Callable[[str], None]] = None,
+                 memory_bytes: int = MEMORY_BYTES):
+        self.directory = os.path.abspath(directory) if directory else None
+        self.max_bytes = max(1, int(max_bytes))
+        self.memory_bytes = max(1, min(int(memory_bytes), self.max_bytes))
+        self.collector = collector
+        self.say = say or (lambda line: log.warning("%s", line))
+        self.retain = False   # keep sent frames until acknowledged (the shipper turns it on at the first ack)
+        self.on_disk = False
+        self.head = 0         # global position of the oldest frame still held
+        self.send = 0         # ... of the next frame to send
+        self.end = 0          # ... after the newest
+        self._high_sent = 0   # positions below it were sent before: sending them again is a replay
+        self._segs: Deque[_Seg] = collections.deque()
+        self._cur: Optional[_Seg] = None  # the segment being appended to
+        self._next_no = 1
+        self._agents: List[str] = []
+        self._agent_no: Dict[str, int] = {}
+        self._acked: Dict[int, int] = {}  # agent index -> every batch <= this is acknowledged
+        self._tail: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()
+        self._tail_bytes = 0
+        self._lock_fd: Optional[int] = None
+        self.disk_bytes = 0
+        self.mem_bytes = 0
+        # counters (cumulative)
+        self.dropped_frames = 0           # never sent, evicted (overflow), unreadable, or left in memory at close
+        self.dropped_events = 0
+        self.unacked_evicted_frames = 0   # sent, not acknowledged yet, evicted
+        self.replayed_frames = 0          # sent again (after a restart of the collector, or of this agent)
+        self.replays = 0                  # times the cursor went back
+        self.restored_frames = 0          # found in the directory at start
+        self.discarded_frames = 0         # found at start, but spooled for another collector
+        self.damaged_bytes = 0            # skipped at start: damaged records and torn tails
+        self.damaged_regions = 0
+        self.disk_errors = 0
+        self._problems_said = 0
+
+    # ---- open / close ------------------------------------------------------------------------------
+
+    def open(self) -> "Spool":
+        """Take the directory (lock, read back what is there) or stay in memory. Never raises."""
+        if self.directory is not None:
+            try:
+                self._open_dir()
+            except OSError as e:
+                self._release_lock()
+                self._to_memory(f"cannot use spool directory {self.directory}: {e.strerror or e}")
+        return self
+
+    def _open_dir(self) -> None:
+        d = self.directory
+        os.makedirs(os.path.dirname(d), mode=0o700, exist_ok=True)
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ENOTDIR, "not a directory (a symlink is not accepted)")
+        if st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"owned by uid {st.st_uid}, not this user ({os.geteuid()})")
+        if st.st_mode & 0o077:
+            os.chmod(d, 0o700)  # frames hold command lines and host names: owner-only
+        fd = os.open(os.path.join(d, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OSError(errno.EBUSY, f"in use by another agent (pid {holder}); give each agent its "
+                                       "own --spool") from None
+        self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            with open(os.path.join(d, META_FILE)) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            meta = {}
+        found = sorted((int(m.group(1)), os.path.join(d, n)) for n in os.listdir(d)
+                       for m in [_SEGMENT_RE.match(n)] if m)
+        other = meta.get("collector") if isinstance(meta, dict) else None
+        if found and other is not None and other != self.collector:
+            n = sum(self._read_segment(no, path, keep=False) for no, path in found)
+            for _, path in found:
+                os.unlink(path)
+            self.discarded_frames += n
+            self.say(f"ccld: spool {d} held {n} frames for collector {other}, not {self.collector}: "
+                     "discarded (counted as spool_discarded_frames)")
+        else:
+            for no, path in found:
+                self._read_segment(no, path, keep=True)
+            acked = meta.get("acked") if isinstance(meta, dict) else None
+            for agent, upto in (acked.items() if isinstance(acked, dict) else ()):
+                if agent in self._agent_no and type(upto) is int:
+                    self._acked[self._agent_no[agent]] = upto  # acknowledged before a clean stop
+            self._release()
+            self.restored_frames = self.held()
+        self._next_no = found[-1][0] + 1 if found else 1
+        self._high_sent = self.end  # restored frames may have been sent: sending them is a replay
+        self._write_meta()
+        self.on_disk = True
+        if self.restored_frames:
+            self.say(f"ccld: spool {d}: {self.restored_frames} frames from an earlier run, to be sent first")
+
+    def _write_meta(self) -> None:
+        """spool.json: whose frames these are, and (at a clean stop) what the collector acknowledged,
+        so the next start does not send those again (after a killed agent, the collector drops them)."""
+        acked = {self._agents[k]: v for k, v in self._acked.items() if self.held()}
+        tmp = os.path.join(self.directory, META_FILE + ".tmp")
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump({"format": "ccld-spool", "version": 1, "collector": self.collector, "acked": acked}, f)
+        os.replace(tmp, os.path.join(self.directory, META_FILE))
+
+    def _read_segment(self, no: int, path: str, keep: bool) -> int:
+        """Index the good records of one segment file (keep: as a segment of this spool); returns
+        how many. Damage is said (the first PROBLEMS_SAID) and counted, never fatal."""
+        name = os.path.basename(path)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            self._problem(f"ccld: spool {name}: cannot be read, skipped: {e}", 0)
+            return 0
+        seg = _Seg(no, self.end, path)
+        off, end = 0, len(data)
+        while off < end:
+            got = _check(data, off, end)
+            if isinstance(got, tuple):
+                agent, batch, events, frame_off, n = got
+                seg.add(self._agent_index(agent), batch, events, frame_off, n)
+                off = frame_off + n
+                continue
+            nxt = _resync(data, off + 1, end)
+            if nxt is None:
+                self._problem(f"ccld: spool {name}: torn tail at offset {off} ({end - off} bytes, {got}); "
+                              f"kept the {len(seg)} records before it", end - off)
+                break
+            self._problem(f"ccld: spool {name}: damaged record at offset {off} ({got}); skipped {nxt - off} "
+                          f"bytes, resumed at offset {nxt}", nxt - off)
+            off = nxt
+        if not keep or not len(seg):
+            if keep:
+                os.unlink(path)
+            return len(seg)
+        seg.fd = os.open(path, os.O_RDONLY)
+        seg.size = end
+        self.disk_bytes += end
+        self._segs.append(seg)
+        self.end += len(seg)
+        return len(seg)
+
+    def _problem(self, line: str, nbytes: int) -> None:
+        self.damaged_regions += 1
+        self.damaged_bytes += nbytes
+        self._problems_said += 1
+        if self._problems_said <= PROBLEMS_SAID:
+            self.say(line)
+        else:
+            log.warning("%s", line)
+
+    def close(self) -> None:
+        """Close the files and the lock. What is on disk stays for the next start (removed when all of
+        it was released); frames held only in memory and never sent are counted as dropped."""
+        for seg in self._segs:
+            if seg.data is not None and self._high_sent < seg.start + len(seg):
+                a = max(0, self._high_sent - seg.start)
+                self.dropped_frames += len(seg) - a
+                self.dropped_events += sum(seg.events[a:])
+        everything_released = self.head >= self.end
+        if self.on_disk and self._lock_fd is not None:
+            try:
+                self._write_meta()
+            except OSError as e:
+                log.warning("spool: cannot write %s: %s", META_FILE, e)
+        for seg in list(self._segs):
+            self._close_seg(seg, unlink=everything_released)
+        self._segs.clear()
+        self._cur = None
+        self._tail.clear()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # ---- the FIFO ----------------------------------------------------------------------------------
+
+    def _agent_index(self, agent: str) -> int:
+        k = self._agent_no.get(agent)
+        if k is None:
+            k = self._agent_no[agent] = len(self._agents)
+            self._agents.append(agent)
+        return k
+
+    def append(self, agent: str, batch: int, events: int, frame: bytes) -> None:
+        """Add one frame (never raises: a disk error moves the spool to memory; no room, the oldest go)."""
+        agent_b = agent.encode()[:MAX_AGENT_ID_BYTES]
+        disk = self.on_disk
+        size = HEAD.size + len(agent_b) + len(frame) if disk else len(frame)
+        limit = self.max_bytes if disk else self.memory_bytes
+        if size > limit:
+            self.dropped_frames += 1  # bigger than the whole spool: cannot be kept
+            self.dropped_events += events
+            return
+        while (self.disk_bytes if disk else self.mem_bytes) + size > limit and self._segs:
+            self._evict_oldest()
+        if disk:
+            try:
+                self._append_disk(agent, agent_b, batch, events, frame)
+                return
+            except OSError as e:
+                self.disk_errors += 1
+                self._to_memory(f"cannot write spool {self.directory}: {e.strerror or e}")
+                self.append(agent, batch, events, frame)
+                return
+        seg = self._cur
+        if seg is None or seg.data is None or (len(seg) and seg.size + size > self._segment_bytes(limit)):
+            seg = self._cur = _Seg(0, self.end)
+            self._segs.append(seg)
+        seg.data.append(frame)
+        seg.add(self._agent_index(agent), batch, events, 0, len(frame))
+        seg.size += size
+        self.mem_bytes += size
+        self.end += 1
+
+    def _segment_bytes(self, limit: int) -> int:
+        return max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, limit // SEGMENTS_PER_BOUND))
+
+    def _append_disk(self, agent: str, agent_b: bytes, batch: int, events: int, frame: bytes) -> None:
+        size = HEAD.size + len(agent_b) + len(frame)
+        seg = self._cur
+        if seg is None or seg.data is not None or (seg.size and seg.size + size > self._segment_bytes(self.max_bytes)):
+            path = os.path.join(self.directory, segment_name(self._next_no))
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+            self._next_no += 1
+            seg = self._cur = _Seg(self._next_no - 1, self.end, path, fd)
+            self._segs.append(seg)
+        rest = HEAD.pack(MAGIC, 0, len(frame), batch, events, len(agent_b))[8:] + agent_b
+        crc = zlib.crc32(frame, zlib.crc32(rest))
+        rec = MAGIC + crc.to_bytes(4, "big") + rest + frame
+        done = 0
+        try:
+            while done < len(rec):
+                k = os.write(seg.fd, rec[done:])
+                if k <= 0:
+                    raise OSError(errno.EIO, f"write returned {k}")
+                done += k
+        finally:
+            seg.size += done
+            self.disk_bytes += done
+            if done < len(rec):
+                self._cur = None  # a torn record: nothing more goes into this file (a restart skips it)
+        seg.add(self._agent_index(agent), batch, events, seg.size - len(frame), len(frame))
+        self.end += 1
+        self._tail[self.end - 1] = frame
+        self._tail_bytes += len(frame)
+        while len(self._tail) > TAIL_CACHE_FRAMES or self._tail_bytes > TAIL_CACHE_BYTES:
+            self._tail_bytes -= len(self._tail.popitem(last=False)[1])
+
+    def _to_memory(self, why: str) -> None:
+        if self._cur is not None and self._cur.data is None:
+            self._cur = None
+        self.on_disk = False
+        self.say(f"ccld: warning: {why}; keeping unacknowledged frames in memory instead "
+                 f"(up to {self.memory_bytes / 2**20:.0f} MiB)")
+
+    def _locate(self, pos: int) -> Tuple[_Seg, int]:
+        for seg in self._segs:
+            if pos < seg.start + len(seg):
+                return seg, pos - seg.start
+        raise IndexError(pos)
+
+    def peek(self) -> Optional[Tuple[bytes, int]]:
+        """(frame, events in it) at the send cursor, or None when everything was sent."""
+        while self.send < self.end:
+            seg, i = self._locate(self.send)
+            frame = self._tail.get(self.send)
+            if frame is None:
+                if seg.data is not None:
+                    frame = seg.data[i]
+                else:
+                    try:
+                        frame = os.pread(seg.fd, seg.lengths[i], seg.offsets[i])
+                        if len(frame) != seg.lengths[i]:
+                            raise OSError(errno.EIO, f"short read ({len(frame)} of {seg.lengths[i]} bytes)")
+                    except OSError as e:  # the file was truncated or removed under us: that frame is lost
+                        self.disk_errors += 1
+                        self.dropped_frames += 1
+                        self.dropped_events += seg.events[i]
+                        log.warning("spool: cannot read back frame %d of %s: %s", i, seg.path, e)
+                        self.send += 1
+                        continue
+            return frame, seg.events[i]
+        return None
+
+    def sent(self) -> bool:
+        """The frame at the cursor went out; True when it had been sent before (a replay)."""
+        replay = self.send < self._high_sent
+        if replay:
+            self.replayed_frames += 1
+        tail = self._tail.pop(self.send, None)
+        if tail is not None:
+            self._tail_bytes -= len(tail)
+        self.send += 1
+        self._high_sent = max(self._high_sent, self.send)
+        if not self.retain:
+            self._release()
+        return replay
+
+    def set_retain(self, on: bool) -> None:
+        """Keep sent frames until acknowledged (on), or let them go once sent (off: from now)."""
+        self.retain = on
+        if not on:
+            self._release()
+
+    def rewind(self) -> int:
+        """Send again from the oldest frame not acknowledged; returns how many will be resent."""
+        n = self.send - self.head
+        if n > 0:
+            self.replays += 1
+            self.send = self.head
+        return max(n, 0)
+
+    def acked(self, agent: str) -> int:
+        k = self._agent_no.get(agent)
+        return self._acked.get(k, 0) if k is not None else 0
+
+    def ack(self, agent: str, upto: int) -> None:
+        """Every batch <= upto of `agent` is in the collector's store: release those frames."""
+        k = self._agent_index(agent)
+        if upto > self._acked.get(k, 0):
+            self._acked[k] = upto
+        self._release()
+
+    def _release(self) -> None:
+        while self._segs:
+            seg = self._segs[0]
+            i = self.head - seg.start
+            if i >= len(seg):
+                if seg is self._cur:
+                    break
+                self._close_seg(self._segs.popleft(), unlink=True)
+                continue
+            sent_unretained = self.head < self.send and not self.retain
+            if not sent_unretained and seg.batches[i] > self._acked.get(seg.agent_at(i), 0):
+                break
+            self.head += 1
+            if seg.data is not None:
+                self.mem_bytes -= len(seg.data[i])
+                seg.size -= len(seg.data[i])
+                seg.data[i] = b""
+        self.send = max(self.send, self.head)
+
+    def _evict_oldest(self) -> None:
+        seg = self._segs.popleft()
+        first, stop = max(self.head, seg.start), seg.start + len(seg)
+        unsent = min(max(first, self._high_sent), stop)  # below it: sent at least once (maybe stored)
+        self.unacked_evicted_frames += max(0, unsent - first)
+        self.dropped_frames += stop - unsent
+        self.dropped_events += sum(seg.events[unsent - seg.start:])
+        self.head = stop
+        self.send = max(self.send, stop)
+        for p in [p for p in self._tail if p < stop]:
+            self._tail_bytes -= len(self._tail.pop(p))
+        if seg is self._cur:
+            self._cur = None
+        self._close_seg(seg, unlink=True)
+
+    def _close_seg(self, seg: _Seg, unlink: bool) -> None:
+        if seg.data is not None:
+            self.mem_bytes -= seg.size
+            seg.data = []
+            return
+        self.disk_bytes -= seg.size
+        if seg.fd is not None:
+            os.close(seg.fd)
+            seg.fd = None
+        if unlink:
+            try:
+                os.unlink(seg.path)
+            except OSError as e:
+                log.warning("spool: cannot remove %s: %s", seg.path, e)
+
+    # ---- what is held ------------------------------------------------------------------------------
+
+    def floors(self) -> Dict[str, int]:
+        """For each agent id with frames held: its lowest batch held (nothing below it will be sent)."""
+        out: Dict[str, int] = {}
+        for seg in self._segs:
+            lo = max(0, self.head - seg.start)
+            for k, start in enumerate(seg.run_starts):
+                stop = seg.run_starts[k + 1] if k + 1 < len(seg.run_starts) else len(seg)
+                if stop > lo:
+                    out.setdefault(self._agents[seg.run_agents[k]], seg.batches[max(start, lo)])
+        return out
+
+    def unsent(self) -> int:
+        return self.end - self.send
+
+    def unacked(self) -> int:
+        """Frames sent and held for an acknowledgement."""
+        return self.send - self.head
+
+    def held(self) -> int:
+        return self.end - self.head
+
+    def loss(self) -> Dict[str, int]:
+        """What the spool lost, for the shipper's LossCounters (every value is a loss)."""
+        return {"spool_dropped_frames": self.dropped_frames, "spool_dropped_events": self.dropped_events,
+                "spool_unacked_evicted_frames": self.unacked_evicted_frames,
+                "spool_damaged_bytes": self.damaged_bytes, "spool_discarded_frames": self.discarded_frames}
+
+    def stats(self) -> Dict[str, int]:
+        out = self.loss()
+        out.update(spool_on_disk=int(self.on_disk), spool_bytes=self.disk_bytes + self.mem_bytes,
+                   spool_frames=self.held(), spool_unsent_frames=self.unsent(),
+                   spool_replayed_frames=self.replayed_frames, spool_replays=self.replays,
+                   spool_restored_frames=self.restored_frames, spool_damaged_regions=self.damaged_regions,
+                   spool_disk_errors=self.disk_errors)
+        return out
+
+    def describe(self) -> str:
+        """One phrase for the agent's start line."""
+        if self.on_disk:
+            return f"spool {self.directory} ({self.max_bytes / 2**20:g} MiB)"
+        return f"spool in memory ({self.memory_bytes / 2**20:g} MiB)"
+
+
+def _check(data: bytes, off: int, end: int):
+    """(agent, batch, events, frame offset, frame length) when a good record starts at `off`, else why not."""
+    if end - off < HEAD.size:
+        return "short header"
+    magic, crc, n, batch, events, alen = HEAD.unpack_from(data, off)
+    if magic != MAGIC:
+        return "no record marker"
+    if n > MAX_RECORD_FRAME or alen > MAX_AGENT_ID_BYTES:
+        return f"impossible length {n}"
+    frame_off = off + HEAD.size + alen
+    if frame_off + n > end:
+        return f"length {n} runs past the end"
+    mv = memoryview(data)
+    if zlib.crc32(mv[off + 8:frame_off + n]) != crc:
+        return "checksum mismatch"
+    try:
+        agent = bytes(mv[off + HEAD.size:frame_off]).decode()
+    except UnicodeDecodeError:
+        return "agent id is not UTF-8"
+    return agent, batch, events, frame_off, n
+
+
+def _resync(data: bytes, start: int, end: int) -> Optional[int]:
+    """Offset of the next good record at or after `start`, or None."""
+    pos = data.find(MAGIC, start)
+    while pos != -1:
+        if isinstance(_check(data, pos, end), tuple):
+            return pos
+        pos = data.find(MAGIC, pos + 1)
+    return None
