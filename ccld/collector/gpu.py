@@ -84,14 +84,15 @@ class GpuJoin:
         ts, enters = proc.ts.setdefault(e.tid, []), proc.enters.setdefault(e.tid, [])
         i = bisect.bisect_right(ts, e.ts_ns)
         ts.insert(i, e.ts_ns)
-        enters.insert(i, Enter(e.ts_ns, e.comm, e.seq, e.op, rank))
+        enter = Enter(e.ts_ns, e.comm, e.seq, e.op, rank)
+        enters.insert(i, enter)
         cut = bisect.bisect_left(ts, ts[-1] - KEEP_NS)
         cut = max(cut, len(ts) - MAX_ENTERS_PER_THREAD)
         if cut > 0:
             self.status["enters-forgotten"] += sum(1 for x in enters[:cut] if x.launch is None)
             del ts[:cut], enters[:cut]
         q = proc.by_comm.setdefault(e.comm, collections.deque(maxlen=MAX_ENTERS_PER_THREAD))
-        q.append(enters[i])
+        q.append(enter)  # not enters[i]: the cut above may have shifted (or removed) index i
         waiting = proc.waiting.get(e.tid)
         if waiting and any(k.launch_ns >= e.ts_ns for _, k in waiting):
             proc.waiting[e.tid] = collections.deque()

@@ -195,3 +195,17 @@ def test_gpu_events_are_not_unhandled_kinds():
               ev.GpuLoss(pid=100, rank=0, ts_ns=job.ns(t), counters={"queue_dropped": 2})])
     assert not [k for k in job.tl.anomalies if k.startswith("unhandled-kind")]
     assert job.tl.counters()["gpu"]["ranks_reporting"] == 1
+
+
+def test_a_thread_past_its_bound_of_remembered_calls_keeps_joining(monkeypatch):
+    """More calls on one thread than it remembers: the oldest are forgotten, the newest still join
+    (the forgetting shifted the list under the index of the call just inserted: an IndexError once)."""
+    from ccld.collector import gpu
+    monkeypatch.setattr(gpu, "MAX_ENTERS_PER_THREAD", 8)
+    job = GpuJob(world=1)
+    for seq in range(1, 31):
+        job.send([job.enter(0, COMM_A, seq, enter_time(seq, 0))])
+    launch = enter_time(30, 0) + LAUNCH_AFTER
+    job.send([job.kernel(0, launch)])
+    assert_span(job.span(COMM_A, 30, 0), enter_time(30, 0), launch)
+    assert job.join().get("enters-forgotten", 0) >= 20
