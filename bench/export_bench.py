@@ -3,16 +3,22 @@
 Each store is generated once under /tmp with events.encode_batch + StoreWriter, in batches like an
 agent's: every 100 ms, one frame per node holding its ranks' collective events (enter, start, end,
 with count/dtype/nbytes as NCCL reports them), /proc states every 0.5 s, loss counters every second,
-a few send/recv, and the clock sample. Every export runs in a child process of its own, so its peak
-RSS (ru_maxrss from wait4) is that run's alone; runs: the Perfetto writer alone (findings skipped),
-Chrome JSON, and Perfetto as `ccld export` runs by default (the store is replayed through the
-detectors for findings first). For scale, MessagePack decoding of the same store alone is timed too.
-Units: events/s of wall time (events read from the store), MiB (2^20 bytes). Stores and traces are
-deleted afterwards. Caveat: on a shared machine the figures move by ~1.5x from run to run.
+a few send/recv, and the clock sample. Stores come in two shapes: "blocks", as agents write since
+schema 1.4 (coll/start/end as column blocks), and "maps", every event a map (schema <= 1.3, and what
+an agent with columns=False sends). Every run is a child process of its own, so its peak RSS
+(ru_maxrss from wait4) and its CPU time (user + system) are that run's alone. Runs: `decode`
+(MessagePack decoding of the store alone), `model` (the trace model with a sink that writes nothing:
+decoding, clock conversion, matching), `perfetto` (the writer, findings skipped), `json` (Chrome JSON),
+and `perfetto+findings` (as `ccld export` runs by default: the store is replayed through the detectors
+for findings first). model - decode and perfetto - model split the writer's time into matching and
+encoding.
+Units: events read from the store per second of wall time and per CPU-second (the box is shared:
+CPU time is the steadier figure), MiB (2^20 bytes). Stores and traces are deleted afterwards.
+Caveat: on a shared machine the figures move by ~1.5x from run to run.
 
-    .venv/bin/python bench/export_bench.py                  # 1 M and 10 M events; print
+    .venv/bin/python bench/export_bench.py                  # 1 M and 10 M events, both shapes; print
     .venv/bin/python bench/export_bench.py --write-results  # and update bench/RESULTS.md (export section)
-    .venv/bin/python bench/export_bench.py --sizes 200000   # a quick look
+    .venv/bin/python bench/export_bench.py --sizes 200000 --shapes blocks   # a quick look
 """
 from __future__ import annotations
 
@@ -45,8 +51,8 @@ T0 = 1_764_400_000.0
 OPS = [("allreduce", 1 << 22), ("allreduce", 1 << 20), ("allgather", 1 << 18), ("broadcast", 1 << 10)]
 
 
-def generate(path: str, events: int, seed: int = 1) -> Dict[str, Any]:
-    """Write a store of about `events` events; returns what was written."""
+def generate(path: str, events: int, seed: int = 1, shape: str = "blocks") -> Dict[str, Any]:
+    """Write a store of about `events` events, frames of `shape` (blocks or maps); returns what was written."""
     rnd = random.Random(seed)
     per_node = WORLD // NODES
     boot = [T0 - 3600.0 * (n + 1) for n in range(NODES)]  # each node's monotonic epoch differs
@@ -99,7 +105,7 @@ def generate(path: str, events: int, seed: int = 1) -> Dict[str, Any]:
                     evs.append(ev.LossCounters(ts_ns=mono(n, t), counters={"ringbuf_lost": 0, "queue_dropped": frames // 100}))
                 evs.append(ev.ClockSample(mono_ns=mono(n, t), wall_ns=int(t * 1e9), ts_ns=mono(n, t)))
                 batch += 1
-                w.append(ev.encode_batch(f"agent-{n}", f"node{n}", batch, evs), t + 0.002)
+                w.append(ev.encode_batch(f"agent-{n}", f"node{n}", batch, evs, columns=shape == "blocks"), t + 0.002)
                 written += len(evs)
                 pending[n] = []
             next_frame += FRAME_S
@@ -118,33 +124,54 @@ CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 mode, store, out = sys.argv[2:5]
-t0 = time.monotonic()
+t0, c0 = time.monotonic(), time.process_time()  # the run's own time: not the interpreter's start
 if mode == "decode":
     import msgpack
     from ccld.collector.store import read_store
     n = 0
     for _, f in read_store(store):
-        n += len(msgpack.unpackb(f, raw=False, strict_map_key=False)["events"])
+        env = msgpack.unpackb(f, raw=False, strict_map_key=False)
+        n += len(env["events"]) + sum(b["n"] for b in env.get("blocks") or ())
     stats = {"events": n}
+elif mode == "model":
+    from ccld.export.perfetto import run_export
+    class NullSink:  # the model's calls, each doing nothing: what is left is reading and matching
+        def __init__(self, f):
+            pass
+        def __getattr__(self, name):
+            return lambda *a, **k: 0
+    stats = run_export(store, out, NullSink, "wb", findings=[])
 else:
     from ccld.export import export_trace
     stats = export_trace(store, out, "json" if mode == "json" else "perfetto",
                          findings=None if mode == "perfetto+findings" else [])
 stats["wall_s"] = time.monotonic() - t0
-print(json.dumps({k: stats[k] for k in ("events", "wall_s", "bytes", "replay_s", "slices", "flows") if k in stats}))
+stats["cpu_s"] = time.process_time() - c0
+if mode == "model":
+    stats.pop("bytes", None)
+print(json.dumps({k: stats[k] for k in ("events", "wall_s", "cpu_s", "bytes", "replay_s", "slices", "flows")
+                  if k in stats}))
 """
+RUNS = ("decode", "model", "perfetto", "json", "perfetto+findings")
 
 
 def run_child(mode: str, store: str, out: str) -> Dict[str, Any]:
-    p = subprocess.Popen([sys.executable, "-c", CHILD, ROOT, mode, store, out], stdout=subprocess.PIPE)
-    data = p.stdout.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    if p.returncode != 0:
-        raise SystemExit(f"export_bench: {mode} on {store} failed (exit {p.returncode})")
+    """One run in a child process; {"failed": why} when it fails (the others still run)."""
+    with tempfile.TemporaryFile() as err:
+        p = subprocess.Popen([sys.executable, "-c", CHILD, ROOT, mode, store, out], stdout=subprocess.PIPE,
+                             stderr=err)
+        data = p.stdout.read()
+        _, status, usage = os.wait4(p.pid, 0)  # not p.wait(): wait4 gives the child's own rusage
+        p.returncode = os.waitstatus_to_exitcode(status)
+        if p.returncode != 0:
+            err.seek(0)
+            last = (err.read().decode(errors="replace").strip().splitlines() or ["?"])[-1]
+            print(f"export_bench: {mode} on {store} failed (exit {p.returncode}): {last}", file=sys.stderr)
+            return {"failed": last}
     r = json.loads(data)
     r["peak_mib"] = usage.ru_maxrss / 1024  # Linux: KiB
     r["events_s"] = r["events"] / r["wall_s"]
+    r["events_cpu_s"] = r["events"] / r["cpu_s"]
     if os.path.exists(out):
         os.unlink(out)
     return r
@@ -165,80 +192,134 @@ def fmt_n(x: float) -> str:
     return f"{x / 1e6:.2f} M" if x >= 1e6 else f"{x / 1e3:.0f} k"
 
 
-def report(sizes: List[Dict[str, Any]]) -> str:
+def report(sizes: List[Dict[str, Any]], command: str) -> str:
     lines = [
         "### Export: `ccld export` (Perfetto protobuf and Chrome JSON), streamed",
         "",
-        f"`.venv/bin/python bench/export_bench.py --write-results` on {machine()}, shared with other work; "
-        f"{datetime.date.today().isoformat()}. Synthetic stores: {WORLD} ranks on {NODES} nodes, a collective every "
-        f"{COLL_PERIOD_S * 1000:.0f} ms (enter, start, end per rank), /proc states, losses, p2p, one frame per node "
-        f"every {FRAME_S * 1000:.0f} ms. Each run is a child process: events/s = events read / wall time; "
-        "peak = its max RSS.",
+        f"`{command}` on {machine()}, shared with other work (2 vCPUs, other sessions' tests running: wall "
+        f"times move; CPU time, user + system of the run, is the steadier figure); "
+        f"{datetime.date.today().isoformat()}. Synthetic stores: {WORLD} ranks on {NODES} nodes, a collective "
+        f"every {COLL_PERIOD_S * 1000:.0f} ms (enter, start, end per rank), /proc states, losses, p2p, one frame "
+        f"per node every {FRAME_S * 1000:.0f} ms; shape `blocks`: coll/start/end as column blocks (schema 1.4, "
+        "what agents send now), `maps`: every event a map (stores from before 1.4). Each run is a child "
+        "process: events/s = events read / its wall time, events/CPU-s = events read / its CPU time (both "
+        "from the export's start, not the interpreter's); peak = its max RSS. `model`: the trace model with a "
+        "sink that writes nothing.",
         "",
         f"Goal: >= {GOAL_EVENTS_S / 1e6:.0f} M events/s written; memory independent of store size.",
         "",
-        "| store events | store MiB | run | seconds | events/s | vs goal | peak RSS MiB | trace MiB |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| store events | shape | store MiB | run | wall s | CPU s | events/s | events/CPU-s | vs goal (CPU) "
+        "| peak RSS MiB | trace MiB |",
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in sizes:
         for mode, r in s["runs"].items():
+            if "failed" in r:
+                lines.append(f"| {s['events']:,} | {s['shape']} | {s['store_mib']:.0f} | {mode} | failed: "
+                             f"{r['failed'][:80]} | | | | | | |")
+                continue
             trace = f"{r['bytes'] / 2**20:.0f}" if "bytes" in r else "-"
             extra = f" (replay {r['replay_s']:.0f} s)" if r.get("replay_s") else ""
-            goal = "-" if mode == "decode" else f"{r['events_s'] / GOAL_EVENTS_S:.2f}"
-            lines.append(f"| {s['events']:,} | {s['store_mib']:.0f} | {mode}{extra} | {r['wall_s']:.1f} | "
-                         f"{fmt_n(r['events_s'])} | {goal} | {r['peak_mib']:.0f} | {trace} |")
-    if len(sizes) >= 2:
-        a, b = sizes[0], sizes[-1]
-        own = [s["runs"]["perfetto"]["peak_mib"] - s["runs"]["decode"]["peak_mib"] for s in (a, b)]
-        lines += ["", f"Memory: at {b['events'] / a['events']:.0f}x the events, the Perfetto writer's peak RSS goes "
-                      f"{a['runs']['perfetto']['peak_mib']:.0f} -> {b['runs']['perfetto']['peak_mib']:.0f} MiB, and "
-                      f"reading the store alone (`decode`) {a['runs']['decode']['peak_mib']:.0f} -> "
-                      f"{b['runs']['decode']['peak_mib']:.0f} MiB: read_store holds one whole segment (64 MiB; the "
-                      f"smaller store's segments are not all full). The export's own share, writer minus decode, is "
-                      f"{own[0]:.0f} and {own[1]:.0f} MiB: independent of store size (it holds open collectives, "
-                      "collectives waiting for their last rank and a 1 s reorder window, all bounded)."]
-    dec = sizes[-1]["runs"].get("decode")
-    pf = sizes[-1]["runs"].get("perfetto")
-    full = sizes[-1]["runs"].get("perfetto+findings")
-    replay_rate = fmt_n(full["events"] / full["replay_s"]) if full and full.get("replay_s") else "?"
-    if dec and pf:
-        lines += ["", f"Speed: below the goal. MessagePack decoding of the store alone (`decode` row) runs at "
-                      f"{fmt_n(dec['events_s'])} events/s on this CPU, so one CPython process cannot write "
-                      f"1 M events/s here; the writer (model + protobuf, {fmt_n(pf['events_s'])} events/s) spends "
-                      "about a third of its time decoding, a third matching collectives across ranks (flows, "
-                      "lanes) and a third encoding packets (by hand from cached pieces, one write per 8192 "
-                      "packets). With findings, the replay through the detectors (`ccld diagnose`'s, "
-                      f"{replay_rate} events/s) dominates; `--findings FILE.jsonl` (the collector's) or `--no-findings` "
-                      "skip it, and `ccld collector --perfetto` uses the findings it made live."]
+            goal = "-" if mode in ("decode", "model") else f"{r['events_cpu_s'] / GOAL_EVENTS_S:.2f}"
+            lines.append(f"| {s['events']:,} | {s['shape']} | {s['store_mib']:.0f} | {mode}{extra} | {r['wall_s']:.1f} "
+                         f"| {r['cpu_s']:.1f} | {fmt_n(r['events_s'])} | {fmt_n(r['events_cpu_s'])} | {goal} "
+                         f"| {r['peak_mib']:.0f} | {trace} |")
+    for shape in sorted({s["shape"] for s in sizes}):
+        ss = [s for s in sizes if s["shape"] == shape and "peak_mib" in s["runs"].get("perfetto", {})]
+        if len(ss) >= 2:
+            a, b = ss[0], ss[-1]
+            pa, pb = a["runs"]["perfetto"]["peak_mib"], b["runs"]["perfetto"]["peak_mib"]
+            line = (f"Memory ({shape}): at {b['events'] / a['events']:.0f}x the events the Perfetto writer's peak RSS "
+                    f"goes {pa:.0f} -> {pb:.0f} MiB")
+            if all("peak_mib" in x["runs"].get("decode", {}) for x in (a, b)):
+                da, db = a["runs"]["decode"]["peak_mib"], b["runs"]["decode"]["peak_mib"]
+                line += (f"; reading the store alone (`decode`) {da:.0f} -> {db:.0f} MiB (read_store holds one "
+                         f"segment, up to 64 MiB); the writer's own share {pa - da:.0f} and {pb - db:.0f} MiB")
+            lines += ["", line + "."]
+    lines += ["", "Where the time goes (CPU, largest store of each shape): " + "; ".join(
+        split_line(s) for s in sizes if s is max((x for x in sizes if x["shape"] == s["shape"]),
+                                                 key=lambda x: x["events"]) and split_line(s)) + "."]
+    lines += ["", PROFILE]
     return "\n".join(lines) + "\n"
+
+
+# What a sampling profile of the Perfetto writer showed (not re-measured by this script: run
+# `py-spy record -f raw` on an export of the 1 M-event blocks store to see it again).
+PROFILE = (
+    "What stands in the way of 1 M events/s: with column blocks, decoding is no longer it (~0.1 us an "
+    "event; ~1.1 us with maps). What is left is Python work per rank of each collective (its 3 events): "
+    "filing and finding its open collective (3 dict operations on a (process, comm, seq) key), putting the "
+    "collective's ranks in arrival order with one flow, picking each rank's lanes, and encoding 2 slices = "
+    "4 TracePackets from ~25 cached byte pieces and 3 varint timestamps. py-spy on the 1 M-event blocks store "
+    "(share of the writer's samples, 2026-11-30): packet encoding 29% (ProtoSink.rank 22, .group 3, .comm 4), "
+    "joining and writing the buffered pieces 9%, arrival order, flows and lanes (Collectives.flush_group) "
+    "18%, end rows and group bookkeeping (colblocks._ends) 14%, enter and start rows 13% (their column "
+    "checks 2), MessagePack decoding 7%, reading the store and the rest 10%. Done to get here (from "
+    "120-250 k events/s): blocks read as columns without a map per event; a rank's calls and worker "
+    "slices written as one piece list from per-collective and per-track byte templates (BEGIN/END packet "
+    "heads by event length, varint tables for the low 28 bits of a timestamp, the rest cached per 268 ms); "
+    "one join per ~64 k pieces; the communicator slice from the same templates; lanes picked inline; "
+    "the garbage collector's young-generation threshold raised while exporting (~8%). 1 M events per "
+    "CPU-second would need about half of the Python operations per rank-collective that are left, or "
+    "nodes exported in parallel processes (per-agent workers, each with its own packet sequence, flows "
+    "drawn by flow_ids chains, which need no order across workers), which is not done. With findings "
+    "(`ccld export`'s default) the replay through the detectors (`ccld diagnose`'s) comes first and "
+    "dominates; `--findings FILE.jsonl` (the collector's) or `--no-findings` skip it, and `ccld collector "
+    "--perfetto` uses the findings it made live.")
+
+
+def split_line(s: Dict[str, Any]) -> str:
+    """decode / matching / encoding shares of the Perfetto writer's CPU time, from the decode, model and
+    perfetto runs of one store."""
+    r = s["runs"]
+    if not all("cpu_s" in r.get(k, {}) for k in ("decode", "model", "perfetto")):
+        return ""
+    n = s["events"]
+    dec, mod, pf = (r[k]["cpu_s"] for k in ("decode", "model", "perfetto"))
+    return (f"{s['shape']}: {pf:.1f} s for {n / 1e6:.0f} M events = {pf / n * 1e6:.2f} us/event: reading and "
+            f"decoding {dec / n * 1e6:.2f}, the model (clock, matching, lanes, flows) {(mod - dec) / n * 1e6:.2f}, "
+            f"encoding and writing {(pf - mod) / n * 1e6:.2f}")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1000000,10000000", help="store sizes in events (comma-separated)")
+    p.add_argument("--shapes", default="blocks,maps", help="store shapes: blocks, maps (comma-separated)")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"runs, of {', '.join(RUNS)} (comma-separated)")
     p.add_argument("--dir", default="/tmp", help="where the stores and traces go (deleted after)")
     p.add_argument("--write-results", action="store_true", help=f"update the export section of {RESULTS}")
     args = p.parse_args()
+    runs = [r for r in args.runs.split(",") if r]
+    bad = [r for r in runs if r not in RUNS]
+    if bad:
+        p.error(f"unknown run {bad[0]!r}")
     sizes = []
-    for n in [int(float(x)) for x in args.sizes.split(",")]:
-        root = tempfile.mkdtemp(prefix="ccld-export-bench-", dir=args.dir)
-        try:
-            store = os.path.join(root, "store")
-            t0 = time.monotonic()
-            s = generate(store, n)
-            print(f"store: {s['events']:,} events, {s['store_mib']:.0f} MiB, {s['recorded_s']:.0f} s recorded "
-                  f"(generated in {time.monotonic() - t0:.0f} s)", flush=True)
-            s["runs"] = {}
-            for mode in ("decode", "perfetto", "json", "perfetto+findings"):
-                out = os.path.join(root, "trace.json" if mode == "json" else "trace.pftrace")
-                r = s["runs"][mode] = run_child(mode, store, out)
-                print(f"  {mode:18s} {r['wall_s']:7.1f} s  {fmt_n(r['events_s'])} events/s  "
-                      f"peak {r['peak_mib']:.0f} MiB" + (f"  trace {r['bytes'] / 2**20:.0f} MiB" if "bytes" in r else ""),
-                      flush=True)
-            sizes.append(s)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-    text = report(sizes)
+    for shape in [x for x in args.shapes.split(",") if x]:
+        if shape not in ("blocks", "maps"):
+            p.error(f"unknown shape {shape!r}")
+        for n in [int(float(x)) for x in args.sizes.split(",")]:
+            root = tempfile.mkdtemp(prefix="ccld-export-bench-", dir=args.dir)
+            try:
+                store = os.path.join(root, "store")
+                t0 = time.monotonic()
+                s = generate(store, n, shape=shape)
+                s["shape"] = shape
+                print(f"store: {s['events']:,} events as {shape}, {s['store_mib']:.0f} MiB, {s['recorded_s']:.0f} s "
+                      f"recorded (generated in {time.monotonic() - t0:.0f} s)", flush=True)
+                s["runs"] = {}
+                for mode in runs:
+                    out = os.path.join(root, "trace.json" if mode == "json" else "trace.pftrace")
+                    r = s["runs"][mode] = run_child(mode, store, out)
+                    if "failed" in r:
+                        continue
+                    print(f"  {mode:18s} {r['wall_s']:7.1f} s  CPU {r['cpu_s']:6.1f} s  {fmt_n(r['events_s'])} events/s  "
+                          f"{fmt_n(r['events_cpu_s'])} events/CPU-s  peak {r['peak_mib']:.0f} MiB" +
+                          (f"  trace {r['bytes'] / 2**20:.0f} MiB" if "bytes" in r else ""), flush=True)
+                sizes.append(s)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+    command = ".venv/bin/python bench/export_bench.py " + " ".join(sys.argv[1:])
+    text = report(sizes, command.strip())
     print(text)
     if args.write_results:
         write_section("export", text)

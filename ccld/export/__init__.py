@@ -89,8 +89,10 @@ def summary_line(s: Dict[str, Any]) -> str:
     """One line: what was written, how big, how long (`ccld export`'s last line)."""
     n = s["findings"]
     replay = f"; findings {s['replay_s']:.1f} s" if s.get("replay_s") else ""
-    return (f"ccld export: {s['out']} ({s['bytes'] / 2**20:.1f} MiB): {s['tracks']} tracks, {s['slices']} slices, "
-            f"{s['flows']} flows, {s.get('counters', 0)} counter samples, {n} finding{'s' * (n != 1)}; "
+    gpu = s.get("gpu_kernels", 0) + s.get("gpu_memops", 0)
+    gpu = f" ({gpu} GPU, {s.get('gpu_joined', 0)} kernels joined to collectives)" if gpu else ""
+    return (f"ccld export: {s['out']} ({s['bytes'] / 2**20:.1f} MiB): {s['tracks']} tracks, {s['slices']} slices"
+            f"{gpu}, {s['flows']} flows, {s.get('counters', 0)} counter samples, {n} finding{'s' * (n != 1)}; "
             f"{s['events']} events in {s['seconds']:.1f} s "
             f"({_n(s['events_per_s'])} events/s{replay})")
 

@@ -1,10 +1,11 @@
 """Export a store as a Chrome JSON trace (`ccld export --format json`), streamed like the Perfetto one.
 
 The same TraceModel (ccld.export.model) drives both, so the content is the same: a process per
-traced rank (pid), a thread per track (`calls`, `worker`, `p2p`, `state`, `findings`, and their
-overlap lanes), pseudo-processes `communicators` and `ccld`; complete slices (ph X), instants (i),
+traced rank (pid), a thread per track (`calls`, `worker`, `p2p`, `state`, `findings`, `GPU d stream s`,
+and their overlap lanes), pseudo-processes `communicators` and `ccld`; complete slices (ph X), instants (i),
 counters (C: a rank's `link S->D MiB/s`, `RTT ms`, `retrans` and `runqueue wait %`, named so in its
-process; the agents' losses in `ccld`), and flows (s, t, f) joining one collective across ranks.
+process; the agents' losses in `ccld`), flows (s, t, f) joining one collective across ranks, and
+flows (s, f; name "kernel") from a rank's collective to the NCCL kernel that ran it.
 Times: "ts"/"dur" are microseconds with three decimals (ns precision), in the collector's Unix
 timebase (see model.TIMEBASE; also written under "otherData").
 Caveat: Chrome's format has no track hierarchy: child tracks become threads of their group's process.
@@ -17,6 +18,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 from ccld.export.perfetto import run_export
 from ccld.export.tracks import Track
 
+_BP = ',"bp":"e"'  # a terminating flow event binds to the slice that encloses it
 PSEUDO_PID = 1 << 30  # pids for the `communicators` and `ccld` groups, above any real or shifted pid
 FLUSH_BYTES = 1 << 20  # output is written in ~1 MiB pieces
 
@@ -38,6 +40,8 @@ class ChromeSink:
         self.esc: Dict[str, str] = {}
         self.next_pseudo = PSEUDO_PID
         self.next_tid: Dict[int, int] = {}
+        self.g: tuple = ()  # the collective rank() writes, and its events' shared JSON (set by group())
+        self.gj: tuple = ()
         self._write('{"traceEvents":[\n')
 
     def _write(self, s: str) -> None:
@@ -100,18 +104,14 @@ class ChromeSink:
         t.out = (pid, tid, f'"pid":{pid},"tid":{tid}')
 
     def coll(self, t: Track, b: int, e: int, op: str, seq: int, comm: str, count: int, dtype: str,
-             nbytes: int, ok: Any, error: Any, unfinished: bool, fid: int, role: Any) -> None:
+             nbytes: int, ok: Any, error: Any, unfinished: bool, fid: int, role: Any, kfid: int = 0) -> None:
         where, ts = t.out[2], _us(b)
         if role:
             bp = ',"bp":"e"' if role == "f" else ""
             self._ev(f'{{"ph":"{role}","id":{int(fid)},"cat":"flow","name":"collective",{where},"ts":{ts}{bp}}}')
-        args = f'"op":{self._s(op)},"seq":{int(seq)},"comm":{self._s(comm)}'
-        if type(count) is int and count >= 0:
-            args += f',"count":{count}'
-        if dtype:
-            args += f',"dtype":{self._s(dtype)}'
-        if type(nbytes) is int and nbytes >= 0:
-            args += f',"nbytes":{nbytes}'
+        if kfid:
+            self._ev(f'{{"ph":"s","id":{int(kfid)},"cat":"flow","name":"kernel",{where},"ts":{ts}}}')
+        args = self._coll_args(op, seq, comm, count, dtype, nbytes)
         args += ',"ok":true' if ok is True else ',"ok":false'
         if error:
             args += f',"error":{self._s(error)}'
@@ -119,6 +119,70 @@ class ChromeSink:
             args += ',"unfinished":true'
         self._ev(f'{{"ph":"X","cat":"collective","name":{self._s(op)},{where},"ts":{ts},"dur":{_us(e - b)},'
                  f'"args":{{{args}}}}}')
+
+    def _coll_args(self, op: str, seq: int, comm: str, count: int, dtype: str, nbytes: int) -> str:
+        """A collective slice's JSON args (without ok/error): sizes only where the probe knew them."""
+        args = f'"op":{self._s(op)},"seq":{int(seq)},"comm":{self._s(comm)}'
+        if type(count) is int and count >= 0:
+            args += f',"count":{count}'
+        if dtype:
+            args += f',"dtype":{self._s(dtype)}'
+        if type(nbytes) is int and nbytes >= 0:
+            args += f',"nbytes":{nbytes}'
+        return args
+
+    def group(self, op: str, seq: int, comm: str, count: int, dtype: str, nbytes: int, fid: int) -> None:
+        """The collective whose ranks rank() writes next (as protobuf.ProtoSink.group): the JSON that
+        all its ranks' events share, made once."""
+        self.g = (op, seq, comm, count, dtype, nbytes, fid)
+        name, seq = self._s(op), int(seq)
+        args = self._coll_args(op, seq, comm, count, dtype, nbytes)
+        fid = int(fid)
+        self.gj = (f'{{"ph":"X","cat":"collective","name":{name},', f'"args":{{{args},"ok":true}}',
+                   f'"args":{{{args},"ok":false}}', f'{{"ph":"X","cat":"worker","name":{name},',
+                   f'"args":{{"seq":{seq},"comm":{self._s(comm)}}}',
+                   {r: f'{{"ph":"{r}","id":{fid},"cat":"flow","name":"collective",' for r in ("s", "t", "f")})
+
+    def rank(self, tc: Track, tw: Optional[Track], b: int, s: int, e: int, ok: Any, error: Any,
+             unfinished: bool, role: Any, kfid: int) -> None:
+        """A rank's `calls` slice and, when tw is given, its `worker` slice (as protobuf.ProtoSink.rank)."""
+        if error or unfinished or b < 0 or s < 0 or e < b:
+            op, seq, comm, count, dtype, nbytes, fid = self.g
+            self.coll(tc, b, e, op, seq, comm, count, dtype, nbytes, ok, error, unfinished, fid, role, kfid)
+            if tw is not None:
+                self.work(tw, s, e, op, seq, comm, unfinished)
+            return
+        x_c, ok_args, bad_args, x_w, w_args, flows = self.gj
+        where = tc.out[2]
+        ts = f"{b // 1000}.{b % 1000:03d}"
+        d = e - b
+        buf = self.buf
+        n = len(buf)
+        if role:
+            buf.append(f'{flows[role]}{where},"ts":{ts}{_BP if role == "f" else ""}}}')
+        if kfid:
+            buf.append(f'{{"ph":"s","id":{int(kfid)},"cat":"flow","name":"kernel",{where},"ts":{ts}}}')
+        buf.append(f'{x_c}{where},"ts":{ts},"dur":{d // 1000}.{d % 1000:03d},'
+                   f'{ok_args if ok is True else bad_args}}}')
+        if tw is not None:
+            d = e - s
+            buf.append(f'{x_w}{tw.out[2]},"ts":{s // 1000}.{s % 1000:03d},"dur":{d // 1000}.{d % 1000:03d},'
+                       f'{w_args}}}')
+        for i in range(n, len(buf)):
+            self.buffered += len(buf[i])
+        if self.buffered >= FLUSH_BYTES:
+            self.flush()
+
+    def comm(self, t: Track, b: int, e: int, op: str, seq: int, comm: str, ranks: int, first_rank: int,
+             last_rank: int, spread_us: int, partial: bool, unfinished: int) -> None:
+        """A collective on its communicator's track (as protobuf.ProtoSink.comm)."""
+        args = [("seq", seq), ("comm", comm), ("ranks", ranks), ("first_rank", first_rank),
+                ("last_rank", last_rank), ("arrival_spread_us", spread_us)]
+        if partial:
+            args.append(("partial", True))
+        if unfinished:
+            args.append(("unfinished", unfinished))
+        self.slice(t, b, e, op, args)
 
     def work(self, t: Track, b: int, e: int, op: str, seq: int, comm: str, unfinished: bool) -> None:
         args = f'"seq":{int(seq)},"comm":{self._s(comm)}' + (',"unfinished":true' if unfinished else "")
@@ -133,6 +197,13 @@ class ChromeSink:
                  f'"args":{self._args(args)}}}')
         if instant_at_begin:
             self.instant(t, b, instant_at_begin, args[:1])
+
+    def gpu(self, t: Track, b: int, e: int, name: str, args: list, fids: List[int]) -> None:
+        ts = _us(b)
+        for fid in fids:
+            self._ev(f'{{"ph":"f","bp":"e","id":{int(fid)},"cat":"flow","name":"kernel",{t.out[2]},"ts":{ts}}}')
+        self._ev(f'{{"ph":"X","cat":"gpu","name":{self._s(name)},{t.out[2]},"ts":{ts},"dur":{_us(e - b)},'
+                 f'"args":{self._args(args)}}}')
 
     def instant(self, t: Track, ts: int, name: str, args: list) -> None:
         self._ev(f'{{"ph":"i","s":"t","name":{self._s(name)},{t.out[2]},"ts":{_us(ts)},'

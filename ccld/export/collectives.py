@@ -17,6 +17,7 @@ import operator
 import struct
 from typing import TYPE_CHECKING, Any, Dict, Tuple
 
+from ccld.export.gpu import slice_flow
 from ccld.export.tracks import Lanes, Proc
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ MAX_GROUPS = 50_000       # collectives ended on some ranks, waiting for the oth
 GROUP_WAIT_S = 60.0       # ... at most this long in recorded time; then written without the missing ranks
 MAX_LATE_FLOWS = 20_000   # collectives written partially, remembered so a late rank joins the same flow
 _BEGIN = operator.itemgetter(0)
+_NO_ROLES = (0,) * 4096  # roles of a collective without a flow (one rank alone)
 _SINK_ERRORS = (TypeError, ValueError, AttributeError, OverflowError, struct.error)
 
 
@@ -39,12 +41,18 @@ class Collectives:
         self.comm_backend: Dict[str, str] = {}
         self.comm_members: Dict[str, set] = {}
         self.expected: Dict[str, int] = {}        # comm -> ranks expected in each collective (cache)
-        # (proc, comm, seq) -> [enter ts, op, count, dtype, nbytes, start ts or 0]
+        # (proc, comm, seq) -> [enter ts, (op, count, dtype, nbytes), start ts or 0, gpu.KEnter or None]
         self.open: Dict[Tuple[Proc, str, int], list] = {}
         self.groups: "collections.OrderedDict[Tuple[str, int], list]" = collections.OrderedDict()
         self.late_flows: "collections.OrderedDict[Tuple[str, int], int]" = collections.OrderedDict()
         self.comm_lanes: Dict[str, Lanes] = {}
         self.next_flow = 1
+
+    def new_flow(self) -> int:
+        """A flow id (collectives' and the GPU kernel links share one numbering)."""
+        fid = self.next_flow
+        self.next_flow += 1
+        return fid
 
     # -- facts about jobs and communicators (from rare events)
 
@@ -92,32 +100,18 @@ class Collectives:
 
     def ended(self, p: Proc, comm: str, seq: int, o: list, end: int, ok: Any, error: Any,
               unfinished: bool) -> None:
-        m = self.m
-        begin = o[0]
-        if end < begin:
-            end = begin  # a wall-clock step between enter and end; never draw a negative slice
-        if p.track is None:
-            m.proc_track(p)
-        if o[5] and end >= m.t_from and o[5] <= m.t_to:
-            start = o[5]
-            start = begin if start < begin else end if start > end else start
-            t = p.worker.pick(start, end)
-            if not t.declared:
-                m.declare(t)
-            try:
-                m.sink.work(t, start, end, o[1], seq, comm, unfinished)
-                m.stats["slices"] += 1
-            except _SINK_ERRORS:
-                m.stats["bad_events"] += 1
+        """Rank `p` ended (comm, seq) at `end`; its slices are written with the group's (flush_group)."""
+        if end < o[0]:
+            end = o[0]  # a wall-clock step between enter and end; never draw a negative slice
         gk = (comm, seq)
         groups = self.groups
         g = groups.get(gk)
         if g is None:
-            g = groups[gk] = [m.max_ts, []]
+            g = groups[gk] = [self.m.max_ts, []]
             if comm not in self.comm_job and p.job:
                 self.comm_job[comm] = p.job
         items = g[1]
-        items.append((begin, end, p, o, ok, error, unfinished))
+        items.append((o[0], end, p, o, ok, error, unfinished))
         want = self.expected.get(comm)
         if want is None:
             want = self._expected(comm)
@@ -129,11 +123,12 @@ class Collectives:
             self.flush_group(k, old[1], False)
 
     def flush_group(self, gk: Tuple[str, int], items: list, complete: bool) -> None:
-        """Write one collective's slices, in arrival order, joined by one flow."""
+        """Write one collective's slices, in arrival order, joined by one flow: per rank its `calls`
+        slice (enter -> end) and its `worker` slice (start -> end), then one on the communicator's track."""
         m = self.m
         items.sort(key=_BEGIN)
+        t_from, t_to = m.t_from, m.t_to
         if m.windowed:
-            t_from, t_to = m.t_from, m.t_to
             items = [it for it in items if it[1] >= t_from and it[0] <= t_to]
             if not items:
                 return
@@ -142,42 +137,83 @@ class Collectives:
         late = fid != 0
         n = len(items)
         if not fid and (n > 1 or not complete):
-            fid = self.next_flow
-            self.next_flow += 1
+            fid = self.new_flow()
             m.stats["flows"] += 1
         if not complete and fid:
             self.late_flows[gk] = fid
             if len(self.late_flows) > MAX_LATE_FLOWS:
                 self.late_flows.popitem(last=False)
         # flow roles: s starts it, t continues, f (terminating) on the last rank to arrive
-        roles = (["t"] * n if late else ["s"] + ["t"] * (n - 1)) if fid else [0] * n
-        if complete and fid and (n > 1 or late):
-            roles[-1] = "f"
-        coll = m.sink.coll
+        if fid:
+            roles = ["t"] * n
+            if not late:
+                roles[0] = "s"
+            if complete and (n > 1 or late):
+                roles[-1] = "f"
+        else:
+            roles = _NO_ROLES if n <= len(_NO_ROLES) else [0] * n
+        sink = m.sink
+        rank = sink.rank
+        new_flow = self.new_flow
         end = written = 0
+        g = None  # the (op, count, dtype, nbytes) the sink's group() has now
+        nunf = 0
         for (b, e, p, o, ok, error, unfinished), role in zip(items, roles):
             if e > end:
                 end = e
+            if unfinished:
+                nunf += 1
             if p.track is None:
                 m.proc_track(p)
-            t = p.calls.pick(b, e)
-            if not t.declared:
-                m.declare(t)
+            a = o[1]  # (op, count, dtype, nbytes): one collective's ranks share them, unless it is inconsistent
+            if a is not g and a != g:
+                g = a
+                try:
+                    sink.group(a[0], seq, comm, a[1], a[2], a[3], fid)
+                except _SINK_ERRORS:
+                    m.stats["bad_events"] += 1
+                    g = None
+                    continue
+            lanes = p.calls.tracks  # Lanes.pick, inline: the first lane is free but for overlapping calls
+            tc = lanes[0] if lanes else None
+            if tc is not None and tc.last_ts <= b:
+                tc.last_ts = e
+            else:
+                tc = p.calls.pick(b, e)
+                if not tc.declared:
+                    m.declare(tc)
+            start = o[2]
+            if start and start <= t_to:
+                start = b if start < b else e if start > e else start
+                lanes = p.worker.tracks
+                tw = lanes[0] if lanes else None
+                if tw is not None and tw.last_ts <= start:
+                    tw.last_ts = e
+                else:
+                    tw = p.worker.pick(start, e)
+                    if not tw.declared:
+                        m.declare(tw)
+            else:
+                tw = None
+            ke = o[3]  # an NCCL rank with CUPTI: the flow to its kernel (gpu.py)
             try:
-                coll(t, b, e, o[1], seq, comm, o[2], o[3], o[4], ok, error, unfinished, fid, role)
-                written += 1
+                rank(tc, tw, b, start, e, ok, error, unfinished, role,
+                     slice_flow(p, ke, new_flow) if ke is not None else 0)
+                written += 1 if tw is None else 2
             except _SINK_ERRORS:
                 m.stats["bad_events"] += 1
         m.stats["slices"] += written
         first, last = items[0], items[-1]
-        args = [("seq", seq), ("comm", comm), ("ranks", n), ("first_rank", first[2].rank),
-                ("last_rank", last[2].rank), ("arrival_spread_us", (last[0] - first[0]) // 1000)]
-        if not complete:
-            args.append(("partial", True))
-        unfinished = sum(1 for it in items if it[6])
-        if unfinished:
-            args.append(("unfinished", unfinished))
-        m.slice(self._comm_lanes(comm).pick(first[0], end), first[0], end, first[3][1], args)
+        lanes = self.comm_lanes.get(comm) or self._comm_lanes(comm)
+        t = lanes.pick(first[0], end)
+        if not t.declared:
+            m.declare(t)
+        try:
+            sink.comm(t, first[0], end, first[3][1][0], seq, comm, n, first[2].rank, last[2].rank,
+                      (last[0] - first[0]) // 1000, not complete, nunf)
+            m.stats["slices"] += 1
+        except _SINK_ERRORS:
+            m.stats["bad_events"] += 1
 
     def evict_open(self, now: int) -> None:
         key = next(iter(self.open))

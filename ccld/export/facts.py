@@ -1,6 +1,7 @@
 """Every event kind but the per-collective ones, as the model's input loop meets them: process and
-communicator facts (rank, comm), p2p calls, /proc states and exits, the agents' loss counters, and the
-network layer's link and scheduler counters (handed to netcounters.NetCounters).
+communicator facts (rank, comm), p2p calls, /proc states and exits, the agents' loss counters, the
+network layer's link and scheduler counters (handed to netcounters.NetCounters), and CUPTI's GPU
+records and capture status (handed to gpu.py).
 
 Times: each event's ts_ns plus its agent's clock offset `off` = Unix ns (model.TIMEBASE). A kind newer
 than this exporter is counted (stats skipped_events); a malformed event raises KeyError/TypeError,
@@ -10,13 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict
 
+from ccld.export import gpu
 from ccld.export.tracks import Proc
 
 if TYPE_CHECKING:
     from ccld.export.model import TraceModel
 
 ABNORMAL_STATES = {"T": "stopped", "t": "tracing stop", "Z": "zombie", "X": "dead", "D": "disk sleep"}
-RARE_KINDS = frozenset(("rank", "comm", "p2p", "proc", "rank_exit", "loss", "hello", "probe", "link", "sched"))
+RARE_KINDS = frozenset(("rank", "comm", "p2p", "proc", "rank_exit", "loss", "hello", "probe", "link", "sched",
+                        "gpu_kernel", "gpu_memop", "gpu_loss"))
 
 
 def rare(m: "TraceModel", agent: str, node: str, procs: Dict[int, Proc], k: str, e: dict, off: int) -> None:
@@ -33,7 +36,9 @@ def rare(m: "TraceModel", agent: str, node: str, procs: Dict[int, Proc], k: str,
     ts += off
     if ts > m.max_ts:
         m.max_ts = ts
-    if k == "link":
+    if k == "gpu_kernel" or k == "gpu_memop":
+        gpu.record(m, node, procs, k, e, off)
+    elif k == "link":
         p = procs.get(e["pid"]) or m.new_proc(node, e["pid"], e["rank"])
         m.net.on_link(node, p, e, ts)
     elif k == "sched":
@@ -86,4 +91,12 @@ def rare(m: "TraceModel", agent: str, node: str, procs: Dict[int, Proc], k: str,
     elif k == "loss":
         for name, value in sorted(e["counters"].items()):
             m.counter(agent, str(name), ts, value)
-    # hello, probe: who is sending and what is attached; for `ccld diagnose`, not for a timeline
+    elif k == "gpu_loss":
+        gpu.loss(m, node, procs, e, ts)
+    elif k == "probe":
+        if e["family"] == "cupti":  # CUPTI capture on in this rank: its NCCL enters are kept for the join
+            p = procs.get(e["pid"])
+            if p is None:
+                p = m.new_proc(node, e["pid"], -1)
+            gpu.gpu_proc(p).seen = e.get("ok") is True
+    # hello: who is sending and what is attached; for `ccld diagnose`, not for a timeline

@@ -3,7 +3,8 @@
 What the trace holds. A process track per traced process, "rank R (node, pid P)", with children:
 `calls` (a slice per collective, CollEnter -> WorkEnd; args op, seq, comm, count/dtype/nbytes when
 known, ok), `worker` (WorkStart -> WorkEnd, the library's own thread), `p2p` (send/recv instants),
-`state` (exit and stopped/zombie/disk-wait instants), `findings` (marks.py), and counters: `link
+`state` (exit and stopped/zombie/disk-wait instants), `findings` (marks.py), `GPU d stream s` (a slice
+per kernel and memcpy/memset from CUPTI, NCCL kernels joined to their collective: gpu.py), and counters: `link
 R->D MiB/s`, `RTT ms` and `retrans` per peer rank D, and `rank R runqueue wait %` (netcounters.py). A
 `communicators` group has one track per communicator (collectives.py), and a `ccld` group the
 agents' loss counters and clock offsets.
@@ -25,7 +26,7 @@ import msgpack
 
 from ccld.collector.clock import ClockTable
 from ccld.events import SCHEMA_MAJOR
-from ccld.export import clocktrack, facts, marks
+from ccld.export import clocktrack, colblocks, facts, gpu, marks
 from ccld.export.collectives import MAX_OPEN, Collectives, GROUP_WAIT_S
 from ccld.export.netcounters import NetCounters
 from ccld.export.tracks import Lanes, Proc, Track
@@ -135,9 +136,17 @@ class TraceModel:
         if type(agent) is not str or type(node) is not str or type(evs) is not list:
             self.frames_rejected["bad-envelope"] += 1
             return
+        blocks = env.get("blocks")
+        if blocks is not None and type(blocks) is not list:
+            self.frames_rejected["bad-envelope"] += 1
+            return
         self.stats["frames"] += 1
-        self.stats["events"] += len(evs)
-        self.events(agent, node, evs)
+        if blocks:  # schema 1.4: coll/start/end as column blocks (colblocks.py)
+            self.stats["events"] += len(evs) + colblocks.rows_in(blocks)
+            colblocks.feed_frame(self, agent, node, evs, blocks)
+        else:
+            self.stats["events"] += len(evs)
+            self.events(agent, node, evs)
         self.housekeeping()
 
     def events(self, agent: str, node: str, evs: list) -> None:
@@ -170,11 +179,15 @@ class TraceModel:
                     if type(ts) is not int:
                         raise TypeError("ts_ns")
                     ts += off  # node CLOCK_MONOTONIC -> collector Unix ns (ClockTable's offset)
-                    key = (p, e["comm"], e["seq"])
+                    comm, seq = e["comm"], e["seq"]
+                    key = (p, comm, seq)
                     if key in open_:
                         self.anomalies["duplicate-enter"] += 1
                         continue
-                    open_[key] = [ts, e["op"], e.get("count", -1), e.get("dtype", ""), e.get("nbytes", -1), 0]
+                    op = e["op"]
+                    o = open_[key] = [ts, (op, e.get("count", -1), e.get("dtype", ""), e.get("nbytes", -1)), 0, None]
+                    if p.gpu is not None:  # a rank with CUPTI capture: kept for the kernel join (gpu.py)
+                        o[3] = p.gpu.enter(ts - off, comm, seq, op, e.get("tid"))
                     if ts > max_ts:
                         max_ts = ts
                     if len(open_) > MAX_OPEN:
@@ -210,7 +223,7 @@ class TraceModel:
                     if o is None:
                         self.anomalies["start-without-enter"] += 1
                     else:
-                        o[5] = ts + off
+                        o[2] = ts + off
                 elif k == "clock":
                     if self.clock.update(agent, e["mono_ns"], e["wall_ns"]):
                         first = off is None
@@ -273,7 +286,8 @@ class TraceModel:
         self.stats["slices"] += 1
 
     def later(self, ts: int, t: Track, kind: str, name: str, payload: Any) -> None:
-        """Queue an instant ("i") or counter ("c"); released in time order within REORDER_S."""
+        """Queue an instant ("i"), counter ("c") or GPU slice ("g", gpu.py); released in time order
+        within REORDER_S."""
         self.heap_n += 1
         heapq.heappush(self.heap, (ts, self.heap_n, t, kind, name, payload))
 
@@ -288,7 +302,13 @@ class TraceModel:
         if self.colls.groups:
             self.colls.flush_waiting(self.max_ts - int(GROUP_WAIT_S * 1e9))
 
-    def _emit_point(self, ts: int, t: Track, kind: str, name: str, payload: Any) -> None:
+    def _emit_point(self, ts: int, t: Any, kind: str, name: str, payload: Any) -> None:
+        if kind == "g":  # a GPU slice; t is its Proc (gpu.py picks the stream track)
+            try:
+                gpu.emit(self, ts, t, name, payload)
+            except _SINK_ERRORS:
+                self.stats["bad_events"] += 1
+            return
         if ts < t.last_ts:
             ts = t.last_ts  # later than REORDER_S out of order: moved forward, counted, never dropped
             self.stats["reordered"] += 1

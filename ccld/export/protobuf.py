@@ -5,16 +5,19 @@ ProtoSink is the sink a model.TraceModel writes through (chrome.ChromeSink is th
 rare ones (track descriptors, the clock snapshot) with the perfetto package's shipped
 perfetto_trace_pb2. Field numbers are Perfetto's (trace_packet.proto, track_event.proto,
 debug_annotation.proto, interned_data.proto, counter_descriptor.proto).
+The hottest path is group() once per collective and rank() once per rank of it: a rank's calls and
+worker slices (4 packets) go into the buffer as ~25 ready pieces (per-track heads, per-collective
+arguments, packet heads by event length, varint tables), joined once per FLUSH_PARTS pieces.
 Times: Unix ns; the first timed packet is preceded by a clock snapshot REALTIME = BOOTTIME so the
 viewer can show wall-clock times. Caveat: one packet sequence (SEQ_ID) carries everything, so
 interning is per trace; an unbounded number of distinct names would grow the intern tables (names
-here are ops, communicators, track kinds and findings: a few thousand at most).
+here are ops, communicators, track kinds, findings and GPU kernels: a few thousand at most).
 """
 from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from ccld.export.tracks import Track
 
@@ -38,6 +41,15 @@ _SMALL = [bytes((i,)) for i in range(0x80)] + [bytes(((i & 0x7F) | 0x80, i >> 7)
 _LOW14 = [bytes(((i & 0x7F) | 0x80, (i >> 7) | 0x80)) for i in range(1 << 14)]  # 14 bits, more to follow
 _TS_TAILS: Dict[int, bytes] = {}
 _TS_TAILS_MAX = 1 << 16
+_TAIL9: Dict[int, bytes] = {}  # n >> 28 -> its 5-byte varint, for n in 2^56..2^63 (9-byte timestamps: Unix ns)
+
+
+def _tail9(n: int) -> None:
+    """Remember the high part of timestamp n when its varint is 9 bytes (ProtoSink.rank's fast path)."""
+    if (1 << 56) <= n < (1 << 63):
+        if len(_TAIL9) >= _TS_TAILS_MAX:
+            _TAIL9.clear()
+        _TAIL9[n >> 28] = _uv(n >> 28)
 
 
 def _ts(n: int) -> bytes:
@@ -65,15 +77,24 @@ _SEQ_TAIL = b"\x50\x01\x68\x02"   # trusted_packet_sequence_id=1, sequence_flags
 _FLOW = {"s": b"\xf9\x02", "t": b"\xf9\x02", "f": b"\x81\x03"}  # flow_ids=47 / terminating_flow_ids=48 (fixed64)
 _Q = struct.Struct("<Q").pack
 _D = struct.Struct("<d").pack
-# Debug-annotation names interned by the first packet; iids 1..9 are hard-coded in ProtoSink.coll.
-_FIXED_KEYS = ("op", "seq", "comm", "count", "dtype", "nbytes", "ok", "error", "unfinished")
+# Debug-annotation names interned by the first packet; iids 1..13 are hard-coded in ProtoSink.coll, .comm.
+_FIXED_KEYS = ("op", "seq", "comm", "count", "dtype", "nbytes", "ok", "error", "unfinished", "ranks", "first_rank",
+               "last_rank", "arrival_spread_us")
+_ANN_RANKS, _ANN_FIRST, _ANN_LAST, _ANN_SPREAD = b"\x08\x0a\x20", b"\x08\x0b\x20", b"\x08\x0c\x20", b"\x08\x0d\x20"
 _ANN_SEQ = b"\x08\x02\x20"        # name_iid=2 (seq), int_value follows
 _ANN_COUNT = b"\x08\x04\x20"
 _ANN_NBYTES = b"\x08\x06\x20"
 _ANN_DTYPE = b"\x08\x05\x88\x01"  # name_iid=5 (dtype), string_value_iid follows
 _ANN_UNFINISHED = b"\x22\x04\x08\x09\x10\x01"
-FLUSH_PACKETS = 8192    # packets joined per write (~0.5 MiB)
+_OK_T, _OK_F = b"\x22\x04\x08\x07\x10\x01", b"\x22\x04\x08\x07\x10\x00"  # ok (name_iid 7) = true / false
+FLUSH_PARTS = 65_536    # pieces of packets buffered before they are joined and written (~0.5 MiB)
 ANN_CACHE_MAX = 10_000  # encoded (key, string) args kept
+SEQ_CACHE_MAX = 4096    # encoded seq args kept (each is used by every rank of its collective, twice)
+_MAX_PRE = 4000         # longest cached event prefix; _HEAD/_MID cover the event lengths this allows
+# For a BEGIN packet whose track event is lt bytes and whose timestamp is 9 bytes (Unix ns, 2^56..2^63):
+# _HEAD[lt] = Trace.packet tag, packet length, timestamp tag; _MID[lt] = track_event tag and length.
+_HEAD = [b"\x0a" + _uv(1 + 9 + 1 + len(_uv(lt)) + lt + len(_SEQ_TAIL)) + b"\x40" for lt in range(_MAX_PRE + 64)]
+_MID = [b"\x5a" + _uv(lt) for lt in range(_MAX_PRE + 64)]
 
 
 class ProtoSink:
@@ -93,6 +114,10 @@ class ProtoSink:
         self.coll_pre: Dict[tuple, bytes] = {}
         self.ann_cache: Dict[tuple, bytes] = {}
         self.size_anns: Dict[tuple, bytes] = {}
+        self.group_pre: Dict[tuple, tuple] = {}  # (op, comm, count, dtype, nbytes) -> pieces (see group())
+        self.seq_anns: Dict[int, bytes] = {}
+        self.g: tuple = ()  # the collective rank() writes and its encoded pieces (set by group())
+        self.gp: tuple = ()
         self.started = False
         # First packet of the sequence: clears incremental state and interns the usual arg names.
         body = b"".join(_ld(b"\x1a", b"\x08" + _uv(i + 1) + _ld(b"\x12", k.encode()))
@@ -102,7 +127,7 @@ class ProtoSink:
 
     def _packet(self, pkt: bytes) -> None:
         self.buf.append(b"\x0a" + _uv(len(pkt)) + pkt)
-        if len(self.buf) >= FLUSH_PACKETS:
+        if len(self.buf) >= FLUSH_PARTS:
             self.flush()
 
     def flush(self) -> None:
@@ -193,9 +218,13 @@ class ProtoSink:
             d.description = t.description
         pkt.trusted_packet_sequence_id = SEQ_ID
         self._packet(pkt.SerializeToString())
-        # cached pieces of this track's events: its uuid field, and its whole END event + packet tail
+        # cached pieces of this track's events: its uuid field; its whole END event + packet tail; the END
+        # packet's head (Trace.packet tag, length, timestamp tag), alone and after a BEGIN's tail; the
+        # BEGIN event's type and track, and its length
         end = _ld(b"\x5a", b"\x48\x02\x58" + _uv(t.uuid)) + _SEQ_TAIL
-        t.out = (b"\x58" + _uv(t.uuid), end, b"\x0a" + _SMALL[10 + len(end)] + b"\x40")
+        head = b"\x0a" + _SMALL[10 + len(end)] + b"\x40"
+        begin = b"\x48\x01\x58" + _uv(t.uuid)  # type SLICE_BEGIN, track_uuid
+        t.out = (b"\x58" + _uv(t.uuid), end, head, _SEQ_TAIL + head, begin, len(begin))
 
     def _pair(self, t: Track, b: int, e: int, te: bytes) -> None:
         """A BEGIN packet with track event `te` at b and the matching END at e, as one write."""
@@ -211,11 +240,13 @@ class ProtoSink:
         else:
             self.buf.append(b"".join((b"\x0a", head, b"\x40", bt, b"\x5a", _SMALL[lt], te, _SEQ_TAIL,
                                       out[2], et, out[1])))
-        if len(self.buf) >= FLUSH_PACKETS:
+        if len(self.buf) >= FLUSH_PARTS:
             self.flush()
 
     def coll(self, t: Track, b: int, e: int, op: str, seq: int, comm: str, count: int, dtype: str,
-             nbytes: int, ok: Any, error: Any, unfinished: bool, fid: int, role: Any) -> None:
+             nbytes: int, ok: Any, error: Any, unfinished: bool, fid: int, role: Any, kfid: int = 0) -> None:
+        """A rank's collective slice; fid/role: its place in the flow across ranks (s, t, f);
+        kfid: the flow to the GPU kernel that ran it (0: none)."""
         key = (t.uuid, op, comm, ok is True)
         te = self.coll_pre.get(key)
         if te is None:  # type BEGIN, track, name, and the args that repeat: op, comm, ok
@@ -226,6 +257,93 @@ class ProtoSink:
                 (b"\x22\x04\x08\x07\x10\x01" if ok is True else b"\x22\x04\x08\x07\x10\x00"))
         x = _uv(seq)
         te += b"\x22" + _SMALL[3 + len(x)] + _ANN_SEQ + x
+        te += self._size_anns(count, dtype, nbytes)
+        if error:
+            te += self._ann("error", error)
+        if unfinished:
+            te += _ANN_UNFINISHED
+        if role:
+            te += _FLOW[role] + _Q(fid)
+        if kfid:
+            te += b"\xf9\x02" + _Q(kfid)
+        self._pair(t, b, e, te)
+
+    def group(self, op: str, seq: int, comm: str, count: int, dtype: str, nbytes: int, fid: int) -> None:
+        """The collective (and its arguments) whose ranks rank() writes next: its shared pieces,
+        encoded once for all its ranks. Raises like coll() on values it cannot encode; self.g is then
+        empty, so comm() does not take the previous collective's pieces for this one's."""
+        self.g = ()
+        key = (op, comm, count, dtype, nbytes)
+        got = self.group_pre.get(key)
+        if got is None:
+            name = b"\x50" + _uv(self._name(op))
+            comm_ann = _ld(b"\x22", b"\x08\x03\x88\x01" + _uv(self._str(comm)))
+            got = (name + _ld(b"\x22", b"\x08\x01\x88\x01" + _uv(self._str(op))) + comm_ann,
+                   self._size_anns(count, dtype, nbytes), name + comm_ann)
+            if len(got[0]) + len(got[1]) + len(got[2]) > _MAX_PRE:
+                raise ValueError("arguments too long")  # not from a well-formed store: counted as bad events
+            if len(self.group_pre) >= ANN_CACHE_MAX:
+                self.group_pre.clear()
+            self.group_pre[key] = got
+        sq = self.seq_anns.get(seq)
+        if sq is None:
+            sq = self._seq_ann(seq)
+        c2, w = sq + got[1], got[2] + sq
+        fq = _Q(fid) if fid else b""
+        # the calls event's args with ok true and with ok false, their length (6: the ok annotation), the
+        # worker event's name and args and their length, the flow fields by role
+        self.gp = (got[0] + _OK_T + c2, got[0] + _OK_F + c2, len(got[0]) + 6 + len(c2), w, len(w),
+                   {0: b"", "s": _FLOW["s"] + fq, "t": _FLOW["t"] + fq, "f": _FLOW["f"] + fq})
+        self.g = (op, seq, comm, count, dtype, nbytes, fid)
+
+    def rank(self, tc: Track, tw: Optional[Track], b: int, s: int, e: int, ok: Any, error: Any,
+             unfinished: bool, role: Any, kfid: int) -> None:
+        """One rank's part of the collective group() named: its `calls` slice b..e on tc (as coll())
+        and, when tw is not None, its `worker` slice s..e on tw (as work()), as one write. The hot
+        path of the export: every piece but the timestamps' low 28 bits comes from a cache (per track,
+        per collective, per 268 ms of time: _TAIL9), and the 2-4 packets are joined once."""
+        T = _TAIL9
+        try:
+            tb, te_ = T[b >> 28], T[e >> 28]
+            ts_ = T[s >> 28] if tw is not None else tb
+        except KeyError:
+            tb = None
+        if tb is None or error or unfinished or not self.started:
+            op, seq, comm, count, dtype, nbytes, fid = self.g
+            self.coll(tc, b, e, op, seq, comm, count, dtype, nbytes, ok, error, unfinished, fid, role, kfid)
+            if tw is not None:
+                self.work(tw, s, e, op, seq, comm, unfinished)
+            for x in (b, s, e):
+                _tail9(x)
+            return
+        c_ok, c_bad, clen, w, wlen, flows = self.gp
+        L = _LOW14
+        e1, e2 = L[e & 0x3FFF], L[(e >> 14) & 0x3FFF]
+        fl = flows[role]
+        if kfid:
+            fl += b"\xf9\x02" + _Q(kfid)
+        oc = tc.out
+        lt = oc[5] + clen + len(fl)
+        buf = self.buf
+        buf += (_HEAD[lt], L[b & 0x3FFF], L[(b >> 14) & 0x3FFF], tb, _MID[lt], oc[4], c_ok if ok is True else c_bad,
+                fl, oc[3], e1, e2, te_, oc[1])
+        if tw is not None:
+            ow = tw.out
+            lt = ow[5] + wlen
+            buf += (_HEAD[lt], L[s & 0x3FFF], L[(s >> 14) & 0x3FFF], ts_, _MID[lt], ow[4], w, ow[3], e1, e2, te_,
+                    ow[1])
+        if len(buf) >= FLUSH_PARTS:
+            self.flush()
+
+    def _seq_ann(self, seq: int) -> bytes:
+        x = _uv(seq)
+        got = b"\x22" + _SMALL[3 + len(x)] + _ANN_SEQ + x
+        if len(self.seq_anns) >= SEQ_CACHE_MAX:
+            self.seq_anns.clear()
+        self.seq_anns[seq] = got
+        return got
+
+    def _size_anns(self, count: int, dtype: str, nbytes: int) -> bytes:
         size = self.size_anns.get((count, dtype, nbytes))
         if size is None:  # count, dtype, nbytes: a job repeats a few combinations (its buckets)
             size = b""
@@ -240,14 +358,7 @@ class ProtoSink:
                 size += b"\x22" + _SMALL[3 + len(x)] + _ANN_NBYTES + x
             if len(self.size_anns) < ANN_CACHE_MAX:
                 self.size_anns[(count, dtype, nbytes)] = size
-        te += size
-        if error:
-            te += self._ann("error", error)
-        if unfinished:
-            te += _ANN_UNFINISHED
-        if role:
-            te += _FLOW[role] + _Q(fid)
-        self._pair(t, b, e, te)
+        return size
 
     def work(self, t: Track, b: int, e: int, op: str, seq: int, comm: str, unfinished: bool) -> None:
         """A worker slice: the collective as the library ran it (args seq, comm)."""
@@ -273,6 +384,34 @@ class ProtoSink:
             self._packet(b"\x40" + et + t.out[1])
         else:
             self._pair(t, b, e, te)
+
+    def comm(self, t: Track, b: int, e: int, op: str, seq: int, comm: str, ranks: int, first_rank: int,
+             last_rank: int, spread_us: int, partial: bool, unfinished: int) -> None:
+        """A collective on its communicator's track: first rank's enter to the last end (args seq, comm,
+        ranks, first_rank, last_rank, arrival_spread_us; partial and unfinished when so)."""
+        if partial or unfinished or self.g[:3] != (op, seq, comm) or not self.started:
+            args = [("seq", seq), ("comm", comm), ("ranks", ranks), ("first_rank", first_rank),
+                    ("last_rank", last_rank), ("arrival_spread_us", spread_us)]
+            if partial:
+                args.append(("partial", True))
+            if unfinished:
+                args.append(("unfinished", unfinished))
+            self.slice(t, b, e, op, args)
+            return
+        w = self.gp[3]  # name, comm and seq, as a worker slice has them
+        x1, x2, x3, x4 = _uv(ranks), _uv(first_rank), _uv(last_rank), _uv(spread_us)
+        self._pair(t, b, e, b"".join((b"\x48\x01", t.out[0], w,
+                                      b"\x22", _SMALL[3 + len(x1)], _ANN_RANKS, x1,
+                                      b"\x22", _SMALL[3 + len(x2)], _ANN_FIRST, x2,
+                                      b"\x22", _SMALL[3 + len(x3)], _ANN_LAST, x3,
+                                      b"\x22", _SMALL[3 + len(x4)], _ANN_SPREAD, x4)))
+
+    def gpu(self, t: Track, b: int, e: int, name: str, args: list, fids: List[int]) -> None:
+        """A kernel or memcpy/memset on a stream track; fids: the flows from its collectives it ends."""
+        te = b"\x48\x01" + t.out[0] + b"\x50" + _uv(self._name(name)) + self._anns(args)
+        for fid in fids:
+            te += b"\x81\x03" + _Q(fid)  # terminating_flow_ids = 48 (fixed64)
+        self._pair(t, b, e, te)
 
     def instant(self, t: Track, ts: int, name: str, args: list) -> None:
         if not self.started:

@@ -431,8 +431,10 @@ def _durations_section(d: Optional[Dict[str, Any]], comm: Comm) -> str:
 def _perfetto_section(store: str) -> str:
     return _section("perfetto", "Open the Perfetto trace",
                     "<p>Every rank's collectives on its own track, with flows joining one collective across "
-                    "ranks, markers for the findings, and counters for each rank's links (MiB/s, RTT, "
-                    "retransmissions per peer) and runqueue wait:</p>"
+                    "ranks, markers for the findings, counters for each rank's links (MiB/s, RTT, "
+                    "retransmissions per peer) and runqueue wait, and, when CUPTI ran (<code>ccld run</code> on "
+                    "a GPU), a track per CUDA stream with each kernel, the NCCL ones linked to their "
+                    "collective:</p>"
                     f"<pre>ccld export {_e(store)} --perfetto out.pftrace</pre>"
                     f'<p>then open <a href="{PERFETTO_UI}">{PERFETTO_UI}</a> and drag <code>out.pftrace</code> '
                     "into the page (the trace stays on your machine: the UI loads it locally).</p>")

@@ -3,7 +3,8 @@
 A Track is one output track (a process, a thread, a plain slice track or a counter); the sinks
 (protobuf.ProtoSink, chrome.ChromeSink) keep their own encoding of it in `out`. Lanes spreads slices
 that may overlap (async collectives) over several tracks so each stays properly nested and ordered.
-A Proc is one traced process (node, pid) with the tracks made for it, on first use.
+A Proc is one traced process (node, pid) with the tracks made for it, on first use (its GPU streams'
+tracks are in gpu.GpuProc).
 Times: Unix ns in the collector's timebase (see model.TIMEBASE). `last_ts` is per track: every sink
 call for a track must not go back in time.
 """
@@ -40,8 +41,10 @@ class Lanes:
     __slots__ = ("model", "parent", "name", "order", "tracks", "first_kind", "tid")
 
     def __init__(self, model: "TraceModel", parent: Track, name: str, order: int,
-                 first_kind: str = "track", tid: int = 0):
-        self.model, self.parent, self.name, self.order = model, parent, name, order
+                 first_kind: str = "track", tid: int = 0, base: Optional[int] = None):
+        """Lane n sorts at order * 100 + n among its siblings (`base` + n when given)."""
+        self.model, self.parent, self.name = model, parent, name
+        self.order = order * 100 if base is None else base
         self.first_kind, self.tid = first_kind, tid
         self.tracks: List[Track] = []
 
@@ -53,10 +56,10 @@ class Lanes:
         n = len(self.tracks)
         if n == 0 and self.first_kind == "thread":
             t = self.model.new_track(self.parent, self.name, "thread", pid=self.parent.pid, tid=self.tid,
-                                     order=self.order * 100)
+                                     order=self.order)
         else:
             t = self.model.new_track(self.parent, self.name if n == 0 else f"{self.name} {n + 1}",
-                                     order=self.order * 100 + n)
+                                     order=self.order + n)
             if n:
                 self.model.stats["extra_lanes"] += 1
         self.tracks.append(t)
@@ -68,7 +71,7 @@ class Proc:
     """A traced process (node, pid) and its tracks, made when first needed. sched_ts/sched_runq: its
     latest SchedStats (time, cumulative runqueue ns), the base of the next runqueue-wait sample."""
     __slots__ = ("node", "pid", "rank", "job", "world", "skip", "track", "calls", "worker", "p2p",
-                 "state", "findings", "state_letter", "runq", "sched_ts", "sched_runq")
+                 "state", "findings", "state_letter", "runq", "sched_ts", "sched_runq", "gpu")
 
     def __init__(self, node: str, pid: int, rank: int, skip: bool):
         self.node, self.pid, self.rank, self.skip = node, pid, rank, skip
@@ -77,3 +80,4 @@ class Proc:
         self.runq: Optional[Track] = None
         self.sched_ts = self.sched_runq = -1
         self.state_letter = ""
+        self.gpu = None  # gpu.GpuProc once it is known to have CUPTI capture (or sends GPU records)

@@ -414,3 +414,131 @@ def test_hostile_events_are_counted_not_fatal(tmp_path):
         else:
             t_ = parse(out)
             assert t_.errors == [] and sorted(calls(t_)) == [(r, s) for r in range(2) for s in (1, 2, 3)]
+
+
+def _as_maps(frame):
+    """The same frame with its column blocks (schema 1.4) written back as one map per event, each
+    block's rows where its `at` puts them: what an agent of schema 1.3 sends."""
+    import msgpack
+    env = msgpack.unpackb(frame, raw=False)
+    blocks = env.pop("blocks", None)
+    if not blocks:
+        return frame
+    plain, out, i = env["events"], [], 0
+    for b in sorted(blocks, key=lambda b: b.get("at", 0)):
+        out += plain[i:b.get("at", 0)]
+        i = max(i, b.get("at", 0))
+        names = list(b["cols"])
+        for values in zip(*(b["cols"][c] for c in names)):
+            out.append({"k": b["k"], **b.get("same", {}), **dict(zip(names, values))})
+    env["events"] = out + plain[i:]
+    env["v"] = [1, 3]
+    return msgpack.packb(env, use_bin_type=True)
+
+
+_ROW_FIELDS = {"coll": ("seq", "pid", "rank", "ts_ns", "tid"), "start": ("seq", "pid", "rank", "ts_ns"),
+               "end": ("seq", "pid", "rank", "ts_ns")}
+
+
+def _as_blocks(frame):
+    """A frame of maps with its coll/start/end events as column blocks (schema 1.4's shape: one block
+    per kind and shared fields, `at` = map events before its first row)."""
+    import msgpack
+    env = msgpack.unpackb(frame, raw=False)
+    plain, blocks = [], {}
+    for e in env["events"]:
+        rowf = _ROW_FIELDS.get(e["k"])
+        if rowf is None:
+            plain.append(e)
+            continue
+        same = tuple((k, v) for k, v in e.items() if k not in rowf and k != "k")
+        b = blocks.get((e["k"], same))
+        if b is None:
+            b = blocks[(e["k"], same)] = {"k": e["k"], "n": 0, "at": len(plain), "same": dict(same),
+                                          "cols": {f: [] for f in rowf}}
+        b["n"] += 1
+        for f in rowf:
+            b["cols"][f].append(e.get(f, 0))
+    env.update(v=[1, 4], events=plain, blocks=list(blocks.values()))
+    return msgpack.packb(env, use_bin_type=True)
+
+
+def _content(t):
+    """A trace's slices, instants and counters by (rank, track, name, times, args), flows as the
+    (rank, track, seq) they join: comparable across traces whose uuids and flow ids differ."""
+    def rank(x):
+        r = t.rank_of(x["track"])
+        return -1 if r is None else r
+    flows = collections.defaultdict(list)
+    for s in t.slices:
+        for f in s["flows"] + s["terminating"]:
+            flows[f].append((rank(s), t.track_name(s["track"]), s["args"].get("seq")))
+    return (sorted((rank(s), t.track_name(s["track"]), s["name"], s["begin"], s["end"],
+                    sorted(s["args"].items())) for s in t.slices),
+            sorted((rank(i), t.track_name(i["track"]), i["name"], i["ts"]) for i in t.instants),
+            sorted((t.track_name(c["track"]), c["ts"], c["value"]) for c in t.counters),
+            sorted(sorted(v) for v in flows.values()))
+
+
+def test_frames_as_maps_and_as_column_blocks_give_the_same_trace(recorded, tmp_path):
+    """Stores from before schema 1.4 (every event a map) and after (coll/start/end as column blocks)
+    are exported alike: the trace's content is the same, only the model's input path differs."""
+    from ccld.collector.store import read_store
+    store, _, _ = recorded
+    got = {}
+    for shape, convert in (("maps", _as_maps), ("blocks", lambda f: _as_blocks(_as_maps(f)))):
+        path = tmp_path / shape
+        w = StoreWriter(str(path))
+        for recv, frame in read_store(str(store)):
+            w.append(convert(frame), recv)
+        w.close()
+        (path / "store.json").write_text((store / "store.json").read_text())
+        out = tmp_path / f"{shape}.pftrace"
+        stats = export_perfetto(str(path), str(out), findings=[])
+        t = parse(out)
+        assert t.errors == [] and stats["bad_events"] == 0 and stats["anomalies"] == {}
+        got[shape] = _content(t)
+    assert len(got["maps"][0]) > 4 * N_OK * 2 and got["maps"] == got["blocks"]
+
+
+def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):
+    """Blocks with wrong types, lengths or shapes: each is dropped and its rows counted; good blocks and
+    map events of the same frame are still exported."""
+    import msgpack
+    job = SynthJob(world=2, nodes=1)
+    job.announce(T0)
+    t = job.steps(1, 3, T0 + 1)
+    a = job.agents[0]
+    good = [_as_blocks(_as_maps(f)) for f in job.frames(t + 0.01)]
+    ts = [a.mono(t + 0.1), a.mono(t + 0.1)]
+    base = {"k": "coll", "n": 2, "at": 0, "same": {"backend": "gloo", "comm": job.comm, "op": "allreduce"}}
+    cols = {"seq": [9, 9], "pid": [1000, 1001], "rank": [0, 1], "ts_ns": ts}
+    bad = [dict(base, cols=dict(cols, ts_ns=["soon", "later"])),     # wrong type in a column
+           dict(base, cols=dict(cols, seq=[9])),                      # column shorter than n
+           dict(base, cols=dict(cols, ts_ns=[1.5, 2.5])),             # floats where ns are ints
+           dict(base, n="2", cols=cols),                              # n not an int
+           dict(base, same={"comm": job.comm}, cols=cols),            # no op: the general path counts it
+           dict(base, k="from-the-future", cols=cols),                # a kind newer than this exporter
+           dict(base, cols=dict(cols, seq=[10, 10], ts_ns=ts)),       # a good one: seq 10 entered
+           [1, 2], "block", None]
+    frame = msgpack.packb({"v": [1, 4], "agent": a.agent, "node": a.node, "batch": 99,
+                           "events": [a.clock(t + 0.2).to_wire()], "blocks": bad})
+    w = StoreWriter(str(tmp_path / "s"))
+    for f in good:
+        w.append(f, t + 0.01)
+    w.append(frame, t + 0.5)
+    w.append(msgpack.packb({"v": [1, 4], "agent": a.agent, "node": a.node, "batch": 100, "events": [],
+                            "blocks": {"not": "a list"}}), t + 0.6)
+    w.close()
+    for export, name in ((export_perfetto, "t.pftrace"), (export_chrome, "t.json")):
+        out = tmp_path / name
+        stats = export(str(tmp_path / "s"), str(out), findings=[])
+        assert stats["frames_rejected"] == {"bad-envelope": 1}
+        assert stats["bad_events"] >= 2 + 2 + 2 + 1 + 2 + 3 and stats["skipped_events"] == 2
+        if name.endswith(".json"):
+            json.loads(out.read_text())
+        else:
+            t_ = parse(out)
+            c = calls(t_)
+            assert t_.errors == [] and sorted(c) == [(r, s) for r in range(2) for s in (1, 2, 3, 10)]
+            assert all(c[(r, 10)]["args"]["unfinished"] for r in range(2))

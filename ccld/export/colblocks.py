@@ -1,0 +1,278 @@
+"""Column blocks in the trace: a frame's "blocks" (schema 1.4: coll, start and end events as columns, see
+ccld/blocks.py) fed to the model without making a map per event.
+
+A block's shared fields ("same") are read once; its columns are type-checked once each (one C-level
+pass), so the row loops below do no per-row validation. The fast path takes the shape live agents
+send: comm, op and the sizes shared, seq/pid/rank/ts_ns (and tid) shared or columns. Anything else
+(another shape, an agent without a clock sample yet, a kind this module does not take) is expanded
+to wire maps and goes through the model's general loop, which counts every oddity.
+Order: enter blocks are placed among the frame's map events by their "at", start and end blocks after
+them (feed_frame says why); rows in their order. Times: node CLOCK_MONOTONIC ns plus the agent's
+offset, as in model.TraceModel.events.
+Caveat: a block that is not well formed is dropped whole, its rows counted as bad events. An int
+column is checked by summing it (C speed), which lets bools through as 0 and 1.
+"""
+from __future__ import annotations
+
+from itertools import repeat
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from ccld.export.collectives import MAX_GROUPS, MAX_OPEN
+
+if TYPE_CHECKING:
+    from ccld.export.model import TraceModel
+
+MAX_BLOCK_ROWS = 65_536   # events.MAX_EVENTS_PER_FRAME: the most a frame may carry
+_MISSING = object()
+
+
+class BadBlock(Exception):
+    """A block that is not well formed: dropped, its rows counted as bad events."""
+
+
+def feed_frame(m: "TraceModel", agent: str, node: str, evs: list, blocks: list) -> None:
+    """A frame's map events and column blocks. Enter blocks are placed among the map events by their
+    "at"; start and end blocks go after all of them (with the clock offset of their place), since "at"
+    is where a block's first row was, and a later row of it may end a collective whose enter is in a
+    block placed after it (frames are split into blocks by kind and shared fields)."""
+    good = []
+    for b in blocks:
+        if type(b) is dict and type(b.get("at", 0)) is int:
+            good.append(b)
+        else:
+            m.stats["bad_events"] += 1
+    good.sort(key=_at)
+    later = []
+    i = 0
+    for b in good:
+        at = b.get("at", 0)
+        if at > i:
+            m.events(agent, node, evs[i:at])
+            i = at
+        if b.get("k") == "coll":
+            block(m, agent, node, b, m.offsets.get(agent))
+        else:
+            later.append((_KIND_ORDER.get(b.get("k"), 3), b, m.offsets.get(agent)))
+    if i < len(evs):
+        m.events(agent, node, evs[i:] if i else evs)
+    later.sort(key=_first)
+    for _, b, off in later:
+        block(m, agent, node, b, off)
+
+
+def _at(b: dict) -> int:
+    return b.get("at", 0)
+
+
+def _first(x: tuple) -> int:
+    return x[0]
+
+
+_KIND_ORDER = {"start": 1, "end": 2}
+
+
+def rows_in(blocks: list) -> int:
+    """Events the frame's blocks say they hold (for the model's event count)."""
+    n = 0
+    for b in blocks:
+        x = b.get("n") if type(b) is dict else None
+        n += x if type(x) is int and 0 < x <= MAX_BLOCK_ROWS else 1
+    return n
+
+
+def _column(same: dict, cols: dict, name: str, n: int, typ: type, default: Any = _MISSING):
+    """Field `name` as an iterable of n values of exact type `typ`: a column, or a shared value repeated."""
+    c = cols.get(name, _MISSING)
+    if c is not _MISSING:
+        if type(c) is not list or len(c) != n:
+            raise BadBlock(name)
+        if typ is int:
+            # One C-level pass, 3-5x faster than type() of each: msgpack gives int, float, str, bytes,
+            # bool, None, list or map, and only ints (and bools, which pass as 0/1) sum to an int.
+            try:
+                if type(sum(c)) is not int:
+                    raise BadBlock(name)
+            except TypeError:
+                raise BadBlock(name) from None
+        elif not set(map(type, c)) <= {typ}:
+            raise BadBlock(name)
+        return c
+    v = same.get(name, default)
+    if v is _MISSING or type(v) is not typ:
+        raise BadBlock(name)
+    return repeat(v, n)
+
+
+def _shared(same: dict, cols: dict, name: str, default: Any) -> Any:
+    """A field the fast path needs shared; _MISSING when it is a column (the general path takes it)."""
+    if name in cols:
+        return _MISSING
+    return same.get(name, default)
+
+
+def _expand(k: str, n: int, same: dict, cols: dict) -> List[Dict[str, Any]]:
+    """The block as wire maps (the general path)."""
+    names = list(cols)
+    head = {"k": k}
+    head.update(same)
+    out = []
+    for values in zip(*(cols[c] for c in names)):
+        d = dict(head)
+        d.update(zip(names, values))
+        out.append(d)
+    return out
+
+
+def block(m: "TraceModel", agent: str, node: str, b: dict, off: Optional[int]) -> None:
+    """One block; `off`: its agent's clock offset where the block stands in its frame (None: none yet)."""
+    k, n, same, cols = b.get("k"), b.get("n"), b.get("same", {}), b.get("cols", {})
+    if type(n) is not int or not 0 < n <= MAX_BLOCK_ROWS or type(same) is not dict or type(cols) is not dict \
+            or not all(type(c) is list and len(c) == n for c in cols.values()):
+        m.stats["bad_events"] += n if type(n) is int and 0 < n <= MAX_BLOCK_ROWS else 1
+        return
+    try:
+        if off is not None and k in _FAST and _FAST[k](m, agent, node, n, same, cols, off):
+            return
+    except BadBlock:
+        m.stats["bad_events"] += n
+        return
+    m.events(agent, node, _expand(k, n, same, cols))
+
+
+def _procs(m: "TraceModel", node: str) -> dict:
+    procs = m.procs.get(node)
+    if procs is None:
+        procs = m.procs[node] = {}
+    return procs
+
+
+def _colls(m: "TraceModel", agent: str, node: str, n: int, same: dict, cols: dict, off: int) -> bool:
+    comm, op = _shared(same, cols, "comm", _MISSING), _shared(same, cols, "op", _MISSING)
+    count, dtype = _shared(same, cols, "count", -1), _shared(same, cols, "dtype", "")
+    nbytes = _shared(same, cols, "nbytes", -1)
+    if type(comm) is not str or type(op) is not str or _MISSING in (count, dtype, nbytes):
+        return False
+    seqs, pids = _column(same, cols, "seq", n, int), _column(same, cols, "pid", n, int)
+    ranks, tss = _column(same, cols, "rank", n, int), _column(same, cols, "ts_ns", n, int)
+    tids = _column(same, cols, "tid", n, int, 0)
+    procs = _procs(m, node)
+    colls = m.colls
+    open_ = colls.open
+    setdefault = open_.setdefault
+    args = (op, count, dtype, nbytes)  # shared by the block's rows: flush_group compares it by identity
+    max_ts = m.max_ts
+    last_pid, p = None, None
+    for seq, pid, rank, ts, tid in zip(seqs, pids, ranks, tss, tids):
+        if pid != last_pid:
+            p = procs.get(pid)
+            if p is None:
+                p = m.new_proc(node, pid, rank)
+            last_pid = pid
+        if p.skip:
+            continue
+        t = ts + off  # node CLOCK_MONOTONIC -> collector Unix ns
+        o = [t, args, 0, None]
+        if setdefault((p, comm, seq), o) is not o:
+            m.anomalies["duplicate-enter"] += 1
+            continue
+        if p.gpu is not None:
+            o[3] = p.gpu.enter(ts, comm, seq, op, tid)
+        if t > max_ts:
+            max_ts = t
+        if len(open_) > MAX_OPEN:
+            m.max_ts = max_ts
+            colls.evict_open(max_ts)
+    m.max_ts = max_ts
+    return True
+
+
+def _starts(m: "TraceModel", agent: str, node: str, n: int, same: dict, cols: dict, off: int) -> bool:
+    comm = _shared(same, cols, "comm", _MISSING)
+    if type(comm) is not str:
+        return False
+    seqs, pids = _column(same, cols, "seq", n, int), _column(same, cols, "pid", n, int)
+    tss = _column(same, cols, "ts_ns", n, int)
+    procs = _procs(m, node)
+    open_ = m.colls.open
+    last_pid, p = None, None
+    missing = 0
+    for seq, pid, ts in zip(seqs, pids, tss):
+        if pid != last_pid:
+            p = procs.get(pid)
+            last_pid = pid
+        if p is None or p.skip:
+            continue
+        o = open_.get((p, comm, seq))
+        if o is None:
+            missing += 1
+        else:
+            o[2] = ts + off
+    if missing:
+        m.anomalies["start-without-enter"] += missing
+    return True
+
+
+def _ends(m: "TraceModel", agent: str, node: str, n: int, same: dict, cols: dict, off: int) -> bool:
+    comm = _shared(same, cols, "comm", _MISSING)
+    ok, error = _shared(same, cols, "ok", True), _shared(same, cols, "error", "")
+    if type(comm) is not str or ok is _MISSING or error is _MISSING:
+        return False
+    seqs, pids = _column(same, cols, "seq", n, int), _column(same, cols, "pid", n, int)
+    ranks, tss = _column(same, cols, "rank", n, int), _column(same, cols, "ts_ns", n, int)
+    procs = _procs(m, node)
+    colls = m.colls
+    open_, groups, expected = colls.open, colls.groups, colls.expected
+    max_ts = m.max_ts
+    last_pid, p = None, None
+    missing = 0
+    cur = None  # the seq of the group `items` belongs to (rows come sorted by seq: one lookup per run)
+    items: list = []
+    want = 0
+    gk = None
+    for seq, pid, rank, ts in zip(seqs, pids, ranks, tss):
+        if pid != last_pid:
+            p = procs.get(pid)
+            if p is None:
+                p = m.new_proc(node, pid, rank)
+            last_pid = pid
+        if p.skip:
+            continue
+        ts += off
+        if ts > max_ts:
+            max_ts = m.max_ts = ts
+        o = open_.pop((p, comm, seq), None)
+        if o is None:
+            missing += 1
+            continue
+        # Collectives.ended, inline
+        b = o[0]
+        if ts < b:
+            ts = b  # a wall-clock step between enter and end; never draw a negative slice
+        if seq != cur:
+            gk = (comm, seq)
+            g = groups.get(gk)
+            if g is None:
+                g = groups[gk] = [max_ts, []]
+                if comm not in colls.comm_job and p.job:
+                    colls.comm_job[comm] = p.job
+            items = g[1]
+            want = expected.get(comm)
+            if want is None:
+                want = colls._expected(comm)
+            cur = seq
+        items.append((b, ts, p, o, ok, error, False))
+        if want and len(items) >= want:
+            del groups[gk]
+            colls.flush_group(gk, items, True)
+            cur = None
+        elif len(groups) > MAX_GROUPS:
+            k, old = groups.popitem(last=False)
+            colls.flush_group(k, old[1], False)
+            cur = None
+    m.max_ts = max_ts
+    if missing:
+        m.anomalies["end-without-enter"] += missing
+    return True
+
+
+_FAST = {"coll": _colls, "start": _starts, "end": _ends}
