@@ -6,8 +6,8 @@ per scenario, the detection rate (the expected class found within its deadline: 
 fault, slowdowns 60 s), top-1 culprit accuracy (the first such finding names exactly the culprit
 ranks), the time from the fault to that finding (p50 / p90), and findings that are neither the
 expected one nor informational; false findings per hour of healthy run (a DDP job and the 20 s
-checkpoint pause). Culprits: the size scenario's is the rank gloo aborted (torchrun's first failure);
-whether the odd-sized rank itself was named is shown apart, since gloo's probes see no sizes.
+checkpoint pause). Culprits are exact: the killed rank alone (not the ranks its launcher stops after
+it), the rank with the odd tensor size alone (not the rank gloo aborts because of it).
 Tick cost: Diagnoser.diagnose() (hangs, inconsistent, comp-slow, comm-slow localiser, pauses) on an
 in-process Timeline fed with Batch objects (no ZeroMQ, no MessagePack: bench/collector_scale.py
 measures those): the world communicator plus one 8-rank communicator per node, HISTORY collectives
@@ -17,6 +17,7 @@ Times are this machine's, on its shared 2 vCPUs: floors for a dedicated collecto
 
     .venv/bin/python bench/accuracy.py --quick [--write-results]        # each scenario once, 2-min healthy run
     .venv/bin/python bench/accuracy.py --runs 5 --healthy-s 600 [--write-results]
+    .venv/bin/python bench/accuracy.py --runs 5 --scenarios killed,size --no-tick [--write-results]
     .venv/bin/python bench/accuracy.py --tick-only [--ranks 1024,4096,16384] [--write-results]
 """
 from __future__ import annotations
@@ -58,7 +59,7 @@ def pct(xs: List[float], q: float) -> Optional[float]:
 
 
 def score(name: str, results: List[Any], deadline: float) -> Dict[str, Any]:
-    lat, detected, top1, others, odd = [], 0, 0, 0, 0
+    lat, detected, top1, others = [], 0, 0, 0
     for r in results:
         f = r.first()
         if f is not None and r.latency() is not None and r.latency() <= deadline:
@@ -69,25 +70,25 @@ def score(name: str, results: List[Any], deadline: float) -> Dict[str, Any]:
             elif r.expect_class == "not-entered" and set(f["ranks"]) <= set(r.culprits):
                 top1 += 1  # a deadlock: each communicator's finding names one of the two culprits
         others += len(r.false_findings())
-        if "odd_rank" in r.notes and f is not None and r.notes["odd_rank"] in f["ranks"]:
-            odd += 1
     return {"name": name, "runs": len(results), "detected": detected, "top1": top1,
-            "p50": pct(lat, 0.5), "p90": pct(lat, 0.9), "others": others, "odd": odd,
+            "p50": pct(lat, 0.5), "p90": pct(lat, 0.9), "others": others,
             "ran_s": sum(r.ran_s for r in results)}
 
 
-def run_accuracy(runs: int, healthy_s: float, say) -> Dict[str, Any]:
+def run_accuracy(runs: int, healthy_s: float, say, only: Optional[List[str]] = None) -> Dict[str, Any]:
     import fault_scenarios as fs
     plan = [("not-entered: rank sleeps before a collective", "not-entered", fs.sleeping_rank, fs.HANG_DEADLINE_S),
             ("fault: rank SIGSTOPped", "stopped", fs.stopped_rank, fs.HANG_DEADLINE_S),
             ("fault: rank SIGKILLed mid-run", "killed", fs.killed_rank, fs.HANG_DEADLINE_S),
             ("inconsistent: all_gather vs all_reduce", "inconsistent", fs.wrong_op, fs.HANG_DEADLINE_S),
-            ("fault: tensor size mismatch (gloo aborts a rank)", "size", fs.wrong_size, fs.HANG_DEADLINE_S),
+            ("inconsistent: a rank's tensor twice the size", "size", fs.wrong_size, fs.HANG_DEADLINE_S),
             ("not-entered: subgroups deadlocked", "deadlock", fs.subgroup_deadlock, fs.HANG_DEADLINE_S),
             ("comp-slow: +40 ms compute per step (DDP)", "comp-slow", fs.slow_compute, fs.SLOW_DEADLINE_S),
             ("comp-slow: CPU hog on the rank's core", "contention", fs.cpu_contention, fs.SLOW_DEADLINE_S)]
-    rows, healthy_h, healthy_false, pause_hangs, pauses = [], 0.0, 0, 0, 0
+    rows, healthy_h, healthy_false, pause_hangs, pauses, bad = [], 0.0, 0, 0, 0, []
     for title, key, fn, deadline in plan:
+        if only and key not in only:
+            continue
         got = []
         for i in range(runs):
             s = fs.Session(tempfile.mkdtemp(prefix=f"ccld-acc-{key}-"))
@@ -103,7 +104,8 @@ def run_accuracy(runs: int, healthy_s: float, say) -> Dict[str, Any]:
                     f"after {r.latency() if r.latency() is None else round(r.latency(), 1)} s "
                     f"(culprits {r.culprits}); other findings {len(r.false_findings())}")
         rows.append(score(title, got, deadline))
-    for i in range(runs):  # checkpoint pause (20 s on rank 0), then a kill: the pause must raise no hang
+    for i in range(runs if not only or "checkpoint" in only else 0):
+        # checkpoint pause (20 s on rank 0), then a kill: the pause must raise no hang
         s = fs.Session(tempfile.mkdtemp(prefix="ccld-acc-ckpt-"))
         try:
             r = fs.killed_rank(s, after_checkpoint=True)
@@ -117,15 +119,17 @@ def run_accuracy(runs: int, healthy_s: float, say) -> Dict[str, Any]:
         healthy_h += (p["to"] - p["from"]) / 3600
         healthy_false += len(bad)
         say(f"checkpoint run {i + 1}: {len(bad)} non-informational findings during the pause")
-    s = fs.Session(tempfile.mkdtemp(prefix="ccld-acc-healthy-"))
-    try:
-        h = fs.healthy_ddp(s, seconds=healthy_s)
-    finally:
-        s.cleanup()
-    healthy_h += healthy_s / 3600
-    bad = [f for f in h.findings if f.get("kind") in ("hang", "slow") and not (f.get("evidence") or {}).get("informational")]
-    healthy_false += len(bad)
-    say(f"healthy DDP {healthy_s:.0f} s: rc {h.notes.get('rc')}, findings {[(f['class'], f['ranks']) for f in bad]}")
+    if not only or "healthy" in only:
+        s = fs.Session(tempfile.mkdtemp(prefix="ccld-acc-healthy-"))
+        try:
+            h = fs.healthy_ddp(s, seconds=healthy_s)
+        finally:
+            s.cleanup()
+        healthy_h += healthy_s / 3600
+        bad = [f for f in h.findings if f.get("kind") in ("hang", "slow")
+               and not (f.get("evidence") or {}).get("informational")]
+        healthy_false += len(bad)
+        say(f"healthy DDP {healthy_s:.0f} s: rc {h.notes.get('rc')}, findings {[(f['class'], f['ranks']) for f in bad]}")
     return {"rows": rows, "healthy_h": healthy_h, "healthy_false": healthy_false,
             "healthy_classes": sorted({f["class"] for f in bad}), "pauses": pauses, "pause_findings": pause_hangs}
 
@@ -138,10 +142,11 @@ def accuracy_md(a: Dict[str, Any], cmd: str) -> str:
            "| scenario | runs | detected in time | top-1 culprit | onset -> finding p50 / p90 s | other findings |",
            "|---|---:|---:|---:|---:|---:|"]
     for r in a["rows"]:
-        extra = f" (odd-sized rank named {r['odd']}/{r['runs']})" if "size" in r["name"] else ""
-        out.append(f"| {r['name']} | {r['runs']} | {r['detected']}/{r['runs']} | {r['top1']}/{r['runs']}{extra} | "
+        out.append(f"| {r['name']} | {r['runs']} | {r['detected']}/{r['runs']} | {r['top1']}/{r['runs']} | "
                    f"{s(r['p50'])} / {s(r['p90'])} | {r['others']} |")
     rate = a["healthy_false"] / a["healthy_h"] if a["healthy_h"] else 0.0
+    if not a["healthy_h"]:
+        return "\n".join(out)  # --scenarios without checkpoint or healthy
     out += ["", f"False findings in healthy running: {a['healthy_false']} in {a['healthy_h'] * 60:.1f} min "
                 f"(a DDP job and {a['pauses']} checkpoint pause(s) of 20 s on rank 0) = **{rate:.0f} per hour**"
                 + (f" (classes: {', '.join(a['healthy_classes'])})" if a["healthy_classes"] else "")
@@ -243,43 +248,53 @@ def tick_cost(ranks: int, say) -> Dict[str, Any]:
         c.send(t + PERIOD_S / 2)
         now = t + PERIOD_S
         spent.clear()
-        x = time.perf_counter()
+        gc.collect()  # a collection of the timeline's millions of objects is the ingest's cost, not the tick's
+        cpu, x = time.thread_time(), time.perf_counter()
         out = d.diagnose(now)
-        total = time.perf_counter() - x
-        (hang if open_one else steady).append((total, sum(spent)))
+        total, cpu = time.perf_counter() - x, time.thread_time() - cpu
+        (hang if open_one else steady).append((total, sum(spent), cpu))
         found |= {(f.kind, f.cls) for f in out}
         t += PERIOD_S
     links.find_comm_slow = real
+
     def ms(xs, i, f=statistics.median):
         return f([x[i] for x in xs]) * 1e3
     row = {"ranks": ranks, "comms": len(c.tl.comms), "first_ms": first * 1e3,
            "steady_ms": ms(steady, 0), "steady_max_ms": ms(steady, 0, max), "steady_links_ms": ms(steady, 1),
-           "hang_ms": ms(hang, 0), "hang_max_ms": ms(hang, 0, max), "hang_links_ms": ms(hang, 1), "found": sorted(found)}
+           "steady_cpu_ms": ms(steady, 2), "steady_cpu_max_ms": ms(steady, 2, max),
+           "hang_ms": ms(hang, 0), "hang_max_ms": ms(hang, 0, max), "hang_links_ms": ms(hang, 1),
+           "hang_cpu_ms": ms(hang, 2), "hang_cpu_max_ms": ms(hang, 2, max), "found": sorted(found)}
     say(f"{ranks} ranks: built in {build:.1f} s; first tick {first * 1e3:.1f} ms; steady {row['steady_ms']:.1f} ms "
-        f"(links {row['steady_links_ms']:.1f}); with a hang {row['hang_ms']:.1f} ms (links {row['hang_links_ms']:.1f}); "
-        f"found {sorted(found)}")
+        f"(CPU {row['steady_cpu_ms']:.1f}, links {row['steady_links_ms']:.1f}); with a hang {row['hang_ms']:.1f} ms "
+        f"(CPU {row['hang_cpu_ms']:.1f}, links {row['hang_links_ms']:.1f}); found {sorted(found)}")
     return row
 
 
 def tick_md(rows: List[Dict[str, Any]], cmd: str) -> str:
-    out = [f"`{cmd}` on {time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} vCPUs, shared), "
-           f"Python {platform.python_version()}. World communicator + one 8-rank communicator per node, "
-           f"{HISTORY} collectives each before timing, rank 1 {LATE_S * 1e3:.0f} ms late at every world collective; "
-           "then one new collective per communicator between ticks; the last 4 ticks with the world collective "
-           "left open by one missing rank. Goals: <= 20 ms at 4,096 ranks, <= 100 ms at 16,384.", "",
-           "| ranks | communicators | first tick (cold caches) | tick, median / max | of which comm-slow localiser "
-           "(links.py) / the other detectors | ticks with a hang open, median / max | of which links.py / the "
-           "others | findings |",
-           "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    out = [f"`{cmd}` on {time.strftime('%Y-%m-%d')}, {platform.node()} ({os.cpu_count()} vCPUs, shared: load "
+           f"average {load:.1f} at the end), Python {platform.python_version()}. World communicator + one 8-rank "
+           f"communicator per node, {HISTORY} collectives each before timing, rank 1 {LATE_S * 1e3:.0f} ms late at "
+           "every world collective; then one new collective per communicator between ticks; the last 4 ticks with "
+           "the world collective left open by one missing rank. Goals: <= 20 ms at 4,096 ranks, <= 100 ms at "
+           "16,384.", "",
+           "| ranks | communicators | first tick (cold caches) | tick, median / max | CPU per tick, median / max "
+           "| of which comm-slow localiser (links.py) / the other detectors | ticks with a hang open, median / max "
+           "| CPU, median / max | findings |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         found = ", ".join(f"{k} {c}" for k, c in r["found"])
         out.append(f"| {r['ranks']:,} | {r['comms']:,} | {r['first_ms']:.1f} ms | {r['steady_ms']:.1f} / "
-                   f"{r['steady_max_ms']:.1f} ms | {r['steady_links_ms']:.1f} / "
-                   f"{r['steady_ms'] - r['steady_links_ms']:.1f} ms | {r['hang_ms']:.1f} / {r['hang_max_ms']:.1f} ms | "
-                   f"{r['hang_links_ms']:.1f} / {r['hang_ms'] - r['hang_links_ms']:.1f} ms | {found} |")
-    out += ["", "The first tick summarises every collective already in the timeline (comp-slow keeps one summary "
-                "per completed collective); later ticks only what completed since. \"of which\" is the link "
-                "localiser (timed inside the same ticks)."]
+                   f"{r['steady_max_ms']:.1f} ms | {r['steady_cpu_ms']:.1f} / {r['steady_cpu_max_ms']:.1f} ms | "
+                   f"{r['steady_links_ms']:.1f} / {r['steady_ms'] - r['steady_links_ms']:.1f} ms | "
+                   f"{r['hang_ms']:.1f} / {r['hang_max_ms']:.1f} ms | {r['hang_cpu_ms']:.1f} / "
+                   f"{r['hang_cpu_max_ms']:.1f} ms | {found} |")
+    out += ["", "Wall time is what a tick took on this shared box (other jobs ran alongside); CPU is the tick's "
+                "own thread time (time.thread_time), the cost on a dedicated core. The first tick summarises "
+                "every collective already in the timeline (comp-slow keeps one summary per completed "
+                "collective, comm-slow one duration); later ticks only what completed since. \"of which\" is "
+                "the link localiser (wall, timed inside the same ticks). A full garbage collection runs before each "
+                "timed tick: collecting the timeline's millions of objects is the ingest's cost, not the detectors'."]
     return "\n".join(out)
 
 
@@ -291,6 +306,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs per scenario (default 3)")
     ap.add_argument("--healthy-s", type=float, default=300.0, help="seconds of the healthy DDP run")
     ap.add_argument("--tick-only", action="store_true", help="only the tick cost (no jobs, no root needed)")
+    ap.add_argument("--scenarios", default="", help="only these (comma list): not-entered,stopped,killed,"
+                    "inconsistent,size,deadlock,comp-slow,contention,checkpoint,healthy")
     ap.add_argument("--no-tick", action="store_true", help="only the scenarios")
     ap.add_argument("--ranks", default="1024,4096,16384")
     ap.add_argument("--write-results", action="store_true", help="write bench/RESULTS.md's sections")
@@ -303,10 +320,12 @@ def main() -> int:
 
     cmd = "python bench/accuracy.py " + " ".join(sys.argv[1:]).replace("--write-results", "").strip()
     if not a.tick_only:
-        acc = run_accuracy(a.runs, a.healthy_s, say)
+        acc = run_accuracy(a.runs, a.healthy_s, say, [k for k in a.scenarios.split(",") if k] or None)
         md = accuracy_md(acc, cmd)
         print(md)
-        if a.write_results:
+        if a.write_results and a.scenarios:  # a repeat of a few scenarios: its own section
+            write_section("accuracy-repeat", "### Diagnosis accuracy, repeated scenarios\n\n" + md)
+        elif a.write_results:
             write_section("accuracy", "## Diagnosis accuracy (fault-injection suite)\n\n" + md)
     if not a.no_tick:
         rows = [tick_cost(int(n), say) for n in a.ranks.split(",")]

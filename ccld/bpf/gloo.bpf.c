@@ -10,17 +10,39 @@
  *   work_init   AsyncWork::AsyncWork(context, outputs, OpType op, u64 seq, ms timeout, const char* title, ...)
  *                 -> GLOO_WORK_INIT {pg, work, seq, op, title, enter_ns}: "rank entered collective seq"
  *   work_exec   AsyncWork::execute(const intrusive_ptr<AsyncWork>&), worker thread
- *                 -> GLOO_WORK_START {work}
+ *                 -> GLOO_WORK_START {work}; opens this thread's size window for the work
+ *   buf_new     gloo::Context::createUnboundBuffer(void* ptr, size_t nbytes) (returns unique_ptr by
+ *                 value: PARM1 = return slot, PARM2 = this, PARM3 = ptr, PARM4 = nbytes); in an open
+ *                 window: min/total bytes and count of the buffers c10d hands gloo (no record)
+ *   algo_enter  gloo::allreduce/broadcast/allgather(v)/gather/scatter/reduce/alltoall(v)/barrier:
+ *                 c10d is done building the buffers -> GLOO_WORK_SIZE {work, min, total, n}, window
+ *                 closed (buffers the algorithm allocates itself, e.g. the ring's scratch, are not
+ *                 the user's tensor and are not counted)
  *   work_done / work_fail   AsyncWork::finishWorkGloo() / finishWorkGlooError(exception_ptr const&)
  *                 -> GLOO_WORK_END {work, ok}
+ *   pair_new    gloo::transport::tcp::Pair::Pair(Context*, Device*, int rank, ms, bool): the connection
+ *                 to group rank `rank` of one gloo context (at init_process_group) -> pair_peer map
+ *   pair_fail   Pair::signalException(const std::string& msg): gloo's I/O thread found the connection
+ *                 broken (EOF, reset, write error) -> GLOO_PAIR_FAIL {pair, peer, msg}. This is what
+ *                 tells a rank that died inside a collective from the ranks that lost it: every rank
+ *                 whose collective then fails names the same peer.
  *
  * Why no uretprobes: a uretprobe on a frame a C++ exception unwinds through turns the job's normal
  * error (a gloo timeout) into SIGABRT. Entry probes on the finish functions give completion safely.
  * `seq` is c10d's per-process-group sequence number: identical on every rank for one collective, so
  * (communicator, seq) joins ranks without any counting here, even when we attach mid-run.
  *
+ * Why sizes come from createUnboundBuffer: it is the one exported function on a collective's path
+ * whose arguments carry its size (c10d's typed setInput/setOutput templates are inlined into the
+ * work's run(), and reading at::Tensor's numel would need TensorImpl offsets that move between torch
+ * versions). The smallest buffer c10d builds for a work is the per-rank tensor's bytes for every op
+ * whose ranks must agree on it (allreduce: the tensor; allgather/gather/scatter: input n, output
+ * world*n), so ranks can be compared at one (communicator, seq). It arrives on the worker thread,
+ * after GLOO_WORK_INIT: the translator holds the enter until it comes (gloo.py, HOLD_MS).
+ *
  * Maps: events (ringbuf, records), lost (per-CPU loss counter), api_inflight (LRU tid -> last API
- * entry, so dead threads leak nothing). One record per collective per phase, never per chunk.
+ * entry, so dead threads leak nothing), exec_inflight (LRU worker tid -> the work it runs and the
+ * buffer sizes so far). One record per collective per phase, never per chunk.
  * Minimum kernel: 5.8 (ring buffer); uprobes.
  */
 #include <uapi/linux/ptrace.h>
@@ -32,6 +54,12 @@
 #ifndef CCLD_MAX_THREADS
 #define CCLD_MAX_THREADS 16384
 #endif
+#ifndef CCLD_ERR_LEN
+#define CCLD_ERR_LEN 160  /* gloo's messages: "[<source path>:<line>] Read error [addr]:port: <strerror>..." */
+#endif
+#ifndef CCLD_MAX_PAIRS
+#define CCLD_MAX_PAIRS 65536  /* connections of traced processes: world - 1 per gloo context */
+#endif
 
 enum gloo_kind {
     GLOO_PG_INIT = 1,
@@ -39,6 +67,8 @@ enum gloo_kind {
     GLOO_WORK_START = 3,
     GLOO_WORK_END = 4,
     GLOO_P2P = 5,
+    GLOO_WORK_SIZE = 6,
+    GLOO_PAIR_FAIL = 7,
 };
 
 struct gloo_pg_init {
@@ -80,6 +110,33 @@ struct gloo_p2p {
 };
 _Static_assert(sizeof(struct gloo_p2p) == 48, "gloo_p2p");
 
+struct gloo_work_size {
+    struct ccld_hdr hdr;
+    u64 work;
+    u64 min_bytes;    /* smallest buffer c10d handed gloo for the work: the per-rank tensor's bytes */
+    u64 total_bytes;  /* all of them together */
+    u32 nbufs;        /* 0: the op takes no tensor (barrier) */
+    u32 pad;
+};
+_Static_assert(sizeof(struct gloo_work_size) == 56, "gloo_work_size");
+
+struct gloo_pair_fail {
+    struct ccld_hdr hdr;
+    u64 pair;
+    s32 peer;   /* group rank at the far end (from the Pair's constructor); -1 when it was not seen */
+    u32 pad;
+    char msg[CCLD_ERR_LEN];
+};
+_Static_assert(sizeof(struct gloo_pair_fail) == 40 + CCLD_ERR_LEN, "gloo_pair_fail");
+
+struct exec_state {
+    u64 work;
+    u64 min_bytes;
+    u64 total_bytes;
+    u32 nbufs;
+    u32 pad;
+};
+
 struct api_entry {
     u64 pg;
     u64 ts_ns;
@@ -104,6 +161,10 @@ static __always_inline int ccld_untraced(void)
     return traced.lookup(&tgid) == NULL;
 }
 BPF_TABLE("lru_hash", u32, struct api_entry, api_inflight, CCLD_MAX_THREADS);
+/* Only threads of traced processes get an entry (work_exec checks), so buf_new and algo_enter need
+ * no `traced` lookup: one lookup here is all an untraced process's buffer costs. */
+BPF_TABLE("lru_hash", u32, struct exec_state, exec_inflight, CCLD_MAX_THREADS);
+BPF_TABLE("lru_hash", u64, s32, pair_peer, CCLD_MAX_PAIRS);  /* Pair* -> group rank of its far end */
 
 static __always_inline void ccld_count_lost(void)
 {
@@ -195,10 +256,9 @@ int work_init(struct pt_regs *ctx)
     return 0;
 }
 
-static __always_inline int emit_work(u16 kind, u64 work, s32 ok)
+/* The caller has checked that the process is traced. */
+static __always_inline int emit_work_traced(u16 kind, u64 work, s32 ok)
 {
-    if (ccld_untraced())
-        return 0;
     struct gloo_work_ev *r = events.ringbuf_reserve(sizeof(*r));
     CCLD_FILL_OR_LOST(r, kind);
     r->work = work;
@@ -208,13 +268,103 @@ static __always_inline int emit_work(u16 kind, u64 work, s32 ok)
     return 0;
 }
 
+static __always_inline int emit_work(u16 kind, u64 work, s32 ok)
+{
+    if (ccld_untraced())
+        return 0;
+    return emit_work_traced(kind, work, ok);
+}
+
 /* static execute(const intrusive_ptr<AsyncWork>& work): the intrusive_ptr's first word is the pointer. */
 int work_exec(struct pt_regs *ctx)
 {
+    if (ccld_untraced())
+        return 0;
     u64 work = 0;
     bpf_probe_read_user(&work, sizeof(work), (void *)PT_REGS_PARM1(ctx));
-    return emit_work(GLOO_WORK_START, work, 1);
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct exec_state st = {};
+    st.work = work;
+    st.min_bytes = ~0ULL;
+    exec_inflight.update(&tid, &st);
+    return emit_work_traced(GLOO_WORK_START, work, 1);
 }
 
-int work_done(struct pt_regs *ctx) { return emit_work(GLOO_WORK_END, PT_REGS_PARM1(ctx), 1); }
-int work_fail(struct pt_regs *ctx) { return emit_work(GLOO_WORK_END, PT_REGS_PARM1(ctx), 0); }
+/* finish runs on the worker thread that ran the work: close a window no algorithm entry closed
+ * (an op gloo implements without one of the probed entry points). */
+static __always_inline int work_finish(struct pt_regs *ctx, s32 ok)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    exec_inflight.delete(&tid);
+    return emit_work(GLOO_WORK_END, PT_REGS_PARM1(ctx), ok);
+}
+
+int work_done(struct pt_regs *ctx) { return work_finish(ctx, 1); }
+int work_fail(struct pt_regs *ctx) { return work_finish(ctx, 0); }
+
+/* unique_ptr<UnboundBuffer> gloo::Context::createUnboundBuffer(void* ptr, size_t size):
+ * (return slot, this, ptr, size). Also called on the Python thread for send/recv (no window there). */
+int buf_new(struct pt_regs *ctx)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct exec_state *st = exec_inflight.lookup(&tid);
+    if (!st)
+        return 0;
+    u64 n = PT_REGS_PARM4(ctx);
+    st->nbufs++;
+    st->total_bytes += n;
+    if (n < st->min_bytes)
+        st->min_bytes = n;
+    return 0;
+}
+
+int algo_enter(struct pt_regs *ctx)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct exec_state *st = exec_inflight.lookup(&tid);
+    if (!st)
+        return 0;  /* not a traced work's first algorithm call (nested, or another caller) */
+    struct exec_state got = *st;
+    exec_inflight.delete(&tid);
+    struct gloo_work_size *r = events.ringbuf_reserve(sizeof(*r));
+    CCLD_FILL_OR_LOST(r, GLOO_WORK_SIZE);
+    r->work = got.work;
+    r->nbufs = got.nbufs;
+    r->min_bytes = got.nbufs ? got.min_bytes : 0;
+    r->total_bytes = got.total_bytes;
+    r->pad = 0;
+    events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
+    return 0;
+}
+
+/* Pair(this, Context*, Device*, int rank, milliseconds timeout, bool): built once per peer at init. */
+int pair_new(struct pt_regs *ctx)
+{
+    if (ccld_untraced())
+        return 0;
+    u64 pair = PT_REGS_PARM1(ctx);
+    s32 peer = (s32)PT_REGS_PARM4(ctx);
+    pair_peer.update(&pair, &peer);
+    return 0;
+}
+
+/* signalException(this, const std::string& msg): libstdc++'s string starts with its data pointer. */
+int pair_fail(struct pt_regs *ctx)
+{
+    if (ccld_untraced())
+        return 0;
+    u64 pair = PT_REGS_PARM1(ctx);
+    struct gloo_pair_fail *r = events.ringbuf_reserve(sizeof(*r));
+    CCLD_FILL_OR_LOST(r, GLOO_PAIR_FAIL);
+    r->pair = pair;
+    s32 *peer = pair_peer.lookup(&pair);
+    r->peer = peer ? *peer : -1;
+    r->pad = 0;
+    u64 data = 0;
+    bpf_probe_read_user(&data, sizeof(data), (void *)PT_REGS_PARM2(ctx));
+    r->msg[0] = 0;
+    if (data)
+        bpf_probe_read_user_str(r->msg, sizeof(r->msg), (void *)data);
+    events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
+    return 0;
+}

@@ -86,7 +86,7 @@ class CollView:
     end: Dict[int, float] = field(default_factory=dict)
     ops: Dict[int, str] = field(default_factory=dict)       # global rank -> op it called
     failed: Dict[int, str] = field(default_factory=dict)    # global rank -> library error
-    sizes: Dict[int, Tuple[int, str]] = field(default_factory=dict)  # rank -> (count, dtype) where probes know them
+    sizes: Dict[int, Tuple[int, str, int]] = field(default_factory=dict)  # rank -> (count, dtype, nbytes) where known
     gpu_start: Dict[int, float] = field(default_factory=dict)  # rank -> Unix s its NCCL kernel began (gpu.py)
     gpu_end: Dict[int, float] = field(default_factory=dict)
     completed_at: Optional[float] = None
@@ -298,9 +298,9 @@ class Timeline:
             view.op = op
         view.enter.update(zip(ranks, times))
         view.ops.update(dict.fromkeys(ranks, op))
-        count, dtype = same.get("count", -1), same.get("dtype", "")
-        if count >= 0 or dtype:
-            view.sizes.update(dict.fromkeys(ranks, (count, dtype)))
+        count, dtype, nbytes = same.get("count", -1), same.get("dtype", ""), same.get("nbytes", -1)
+        if count >= 0 or dtype or nbytes >= 0:
+            view.sizes.update(dict.fromkeys(ranks, (count, dtype, nbytes)))
         counts = self.enter_counts
         for r in ranks:
             counts[(r, op)] += 1
@@ -485,8 +485,8 @@ class Timeline:
             view.op = e.op
         view.enter[rank] = t
         view.ops[rank] = e.op
-        if e.count >= 0 or e.dtype:  # NCCL probes report them; gloo's do not (count -1)
-            view.sizes[rank] = (e.count, e.dtype)
+        if e.count >= 0 or e.dtype or e.nbytes >= 0:  # NCCL probes say count and dtype; gloo's the bytes
+            view.sizes[rank] = (e.count, e.dtype, e.nbytes)
         self.enter_counts[(rank, e.op)] += 1
         last = comm.last_entered.get(rank)
         if last is None or e.seq >= last[0]:

@@ -3,7 +3,10 @@
 For each communicator, look at the highest seq S any member entered:
   (f) some member's library reported an error for S -> "fault" at once (no threshold: an error is
       not a wait): the members that neither finished nor failed (a rank that died inside, or never
-      came), else the failed ranks themselves;
+      came), else the failed ranks themselves. When several stopped unfinished (the launcher stops
+      the others right after the first death), `died_first` keeps the one the failed ranks' errors
+      say they lost the connection to, else drops those seen alive after the fault, else orders
+      their exits;
   (a) some expected members have not entered S while the others wait longer than the threshold
       -> "not-entered" naming exactly those ranks ("fault" when one of them is stopped or exited),
       with what each is doing instead (`doing`): inside a collective of another communicator (and
@@ -28,6 +31,8 @@ so a communicator with such a member is not judged until its agent speaks again 
 from __future__ import annotations
 
 import collections
+import heapq
+import re
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ccld.collector.timeline import Comm, CollView, RankRecord, Timeline
@@ -51,29 +56,48 @@ SAMPLES_KEPT_S = 600.0  # ... those not sampled for 10 minutes
 NOTE_AFTER_S = 1.0    # waited-for ranks are sampled from this far into a wait (normal arrivals take ms) ...
 NOTE_MAX_RANKS = 64   # ... when at most this many are missing (a few ranks hold the others: the pause case)
 MAX_LISTED = 256      # ranks listed in one evidence field (waiting, finished, ...); its count is given too
+EXIT_TIE_S = 0.1      # exits seen this close together are one /proc scan of the agent's: not ordered
+RECENT_FAILED = 4     # newest collectives of a communicator searched for the first error of a fault
 
 
-def blind_members(tl: Timeline, comm: Comm, members: Set[int], now: float) -> List[int]:
-    """Members whose agent has been silent for longer than AGENT_SILENT_S."""
-    if not any(tl.agent_is_silent(a, now, AGENT_SILENT_S) for a in tl.agents):
-        return []  # the common case, without looking at each of thousands of members
-    out = []
-    silent: Dict[str, bool] = {}  # per agent: thousands of ranks share a few agents
-    for r in members:
-        rec = tl.rank_record(comm.job, r)
-        if rec is None or rec.exited():
-            continue
-        s = silent.get(rec.agent)
-        if s is None:
-            s = silent[rec.agent] = tl.agent_is_silent(rec.agent, now, AGENT_SILENT_S)
-        if s:
-            out.append(r)
-    return sorted(out)
+class Blindness:
+    """Which ranks' agents have been silent for longer than AGENT_SILENT_S at `now`, worked out once
+    per tick for every communicator: O(agents) to find the silent agents and, only when there are
+    some, O(ranks) once to list their ranks per job (not O(members) per communicator)."""
+
+    def __init__(self, tl: Timeline, now: float):
+        self.tl = tl
+        self.silent = {a for a in tl.agents if tl.agent_is_silent(a, now, AGENT_SILENT_S)}
+        self._by_job: Optional[Dict[str, Set[int]]] = None
+
+    def members(self, comm: Comm, members: Set[int]) -> List[int]:
+        if not self.silent:
+            return []  # the common case, without looking at any rank
+        if not comm.job:  # a communicator of unknown job: rank_record's unique-rank fallback, per member
+            return sorted(r for r in members if self._blind(self.tl.rank_record(comm.job, r)))
+        if self._by_job is None:
+            by: Dict[str, Set[int]] = collections.defaultdict(set)
+            for (job, rank), key in self.tl.by_rank.items():
+                if self._blind(self.tl.ranks.get(key)):
+                    by[job].add(rank)
+            self._by_job = by
+        got = self._by_job.get(comm.job, set())
+        return sorted(got & members)
+
+    def _blind(self, rec: Optional[RankRecord]) -> bool:
+        return rec is not None and not rec.exited() and rec.agent in self.silent
+
+
+def blind_members(tl: Timeline, comm: Comm, members: Set[int], now: float,
+                  blind: Optional[Blindness] = None) -> List[int]:
+    """Members whose agent has been silent for longer than AGENT_SILENT_S (`blind`: this tick's)."""
+    return (blind or Blindness(tl, now)).members(comm, members)
 
 
 def listed(ranks) -> List[int]:
     """At most MAX_LISTED of `ranks`, sorted: a finding at 16,384 ranks must stay a readable line."""
-    return sorted(ranks)[:MAX_LISTED]
+    ranks = ranks if isinstance(ranks, (set, frozenset, list, tuple, dict)) else list(ranks)
+    return heapq.nsmallest(MAX_LISTED, ranks) if len(ranks) > 4 * MAX_LISTED else sorted(ranks)[:MAX_LISTED]
 
 
 def _r(x: Optional[float], nd: int = 6) -> Optional[float]:
@@ -262,6 +286,89 @@ def _summary(details: List[Dict[str, Any]], reason: str) -> str:
     return f"{reason}: {shown}" + (f" (+{len(details) - 4})" if len(details) > 4 else "")
 
 
+def _last_activity(comm: Comm, rank: int) -> Optional[float]:
+    """When `rank` last did anything on `comm` that the probes saw: entered, started or ended one of
+    its two newest collectives there (the newer may be waiting while the older ends)."""
+    last = comm.last_entered.get(rank)
+    if last is None:
+        return None
+    best = last[2]
+    for s in (last[0], last[0] - 1):
+        v = comm.colls.get(s)
+        if v is not None:
+            for got in (v.start.get(rank), v.end.get(rank)):
+                if got is not None and got > best:
+                    best = got
+    return best
+
+
+LOST_RE = re.compile(r"connection to group rank (\d+) broke")  # ccld/bpf/gloo.py writes it in WorkEnd.error
+
+
+def _first_error(tl: Timeline, comm: Comm) -> Tuple[Optional[float], Set[int], Dict[int, int]]:
+    """Over the newest RECENT_FAILED collectives: (earliest error end, ranks that reported an error,
+    global rank -> how many of them say their connection to it broke). The first sign of a fault,
+    who saw it, and whom they lost (a rank can fail the collective before the newest)."""
+    first, who, named = None, set(), collections.Counter()
+    order: Optional[List[int]] = None
+    for s in range(comm.max_seq - RECENT_FAILED + 1, comm.max_seq + 1):
+        v = comm.colls.get(s)
+        if v is None or not v.failed:
+            continue
+        for r, err in v.failed.items():
+            t = v.end.get(r)
+            if t is not None and (first is None or t < first):
+                first = t
+            m = LOST_RE.search(err or "")
+            if m is not None and r not in who:  # a rank's first error names the peer it lost first
+                if order is None:
+                    order = sorted(tl.expected_members(comm.id))  # group rank g is the g-th smallest member
+                g = int(m.group(1))
+                if 0 <= g < len(order):
+                    named[order[g]] += 1
+            who.add(r)
+    return first, who, dict(named)
+
+
+def died_first(tl: Timeline, comm: Comm, dead: List[int], since: Optional[float],
+               erred: Set[int], named: Optional[Dict[int, int]] = None) -> Tuple[List[int], Dict[str, Any]]:
+    """Of ranks that all stopped without finishing, those whose death started it: (ranks, how).
+
+    A rank killed inside a collective is gone before its peers notice; the launcher then stops the
+    others (torchrun: SIGTERM, ~0.1 s later), often before they notice too. So: the rank(s) the
+    failed ranks' errors say they lost the connection to (`named`, votes per rank); else a rank that
+    reported an error, or did anything on `comm` after the fault's first error (`since`), outlived the
+    fault and is a victim; of the rest, the one whose exit the agent saw first (not within one scan of
+    another's) is the first to die. Each rule applies only when it leaves someone."""
+    how: Dict[str, Any] = {}
+    out = list(dead)
+    votes = {r: n for r, n in (named or {}).items() if r in out}
+    if votes:
+        top = max(votes.values())
+        lost = [r for r in out if votes.get(r) == top]
+        if len(lost) < len(out):
+            how["peers_lost_connection_to"] = {str(r): n for r, n in sorted(votes.items())}
+            return sorted(lost), how
+    if since is not None:
+        alive_after = [r for r in out if r in erred or (_last_activity(comm, r) or float("-inf")) >= since]
+        if alive_after and len(alive_after) < len(out):
+            out = [r for r in out if r not in alive_after]
+            how["active_after_fault"] = listed(alive_after)
+    if len(out) > 1:
+        exits = {}
+        for r in out:
+            rec = tl.rank_record(comm.job, r)
+            if rec is not None and rec.exited_at is not None:
+                exits[r] = rec.exited_at
+        if len(exits) == len(out):
+            t0 = min(exits.values())
+            early = [r for r in out if exits[r] - t0 < EXIT_TIE_S]
+            if len(early) < len(out):
+                how["exited_later"] = listed(r for r in out if r not in early)
+                out = early
+    return sorted(out), how
+
+
 def _failed(tl: Timeline, comm: Comm, view: CollView, expected: Set[int], now: float,
             base: Dict[str, Any]) -> Optional[Finding]:
     first = min(view.end[r] for r in view.failed if r in view.end)
@@ -270,16 +377,21 @@ def _failed(tl: Timeline, comm: Comm, view: CollView, expected: Set[int], now: f
     no_end = expected - view.end.keys()
     failed = set(view.failed)
     order = None
+    how: Dict[str, Any] = {}
     if no_end:
         # Gloo reports an error on every rank that lost a peer; the one that neither finished nor
         # failed is where it started (it died, was stopped, or never came). The launcher stops the
         # other ranks within ~0.1 s of the first death, often before they notice a peer is gone, so
-        # several may qualify: one that never entered is likelier the first than one waiting inside;
-        # beyond that the order is not known (the agent sees exits once a second).
+        # several may qualify: a rank that never entered is likelier the first than one waiting
+        # inside, and died_first sorts out the rest where the events allow.
         dead = _dead(tl, comm, no_end)
         candidates = dead or sorted(no_end)
         outside = [r for r in candidates if r not in view.enter]
         blamed = outside if outside and len(outside) < len(candidates) else candidates
+        if len(blamed) > 1:
+            since, erred, named = _first_error(tl, comm)
+            blamed, how = died_first(tl, comm, blamed, min(first, since) if since is not None else first,
+                                     erred | failed, named)
         dead = [r for r in dead if r in blamed]
         if len(blamed) > 1:
             order = "unknown: these ranks all stopped without finishing, too close together to order"
@@ -294,14 +406,16 @@ def _failed(tl: Timeline, comm: Comm, view: CollView, expected: Set[int], now: f
                     note="the library reported errors on the ranks that lost a peer during this collective; "
                          "a rank that died inside it (killed, out of memory, or aborted by the library, e.g. "
                          "on a message larger than expected: a tensor size mismatch) is named"
-                         + ("; gloo probes record no tensor sizes, so a size mismatch cannot be told apart"
-                            if not view.sizes else ""))
+                         + ("; no tensor sizes were recorded for this collective, so a size mismatch cannot "
+                            "be told apart" if not view.sizes else ""))
+    if how:
+        evidence["outlived_fault"] = how  # the other ranks that stopped unfinished, and why they are not named
     return Finding(kind="hang", cls="fault", ranks=blamed, comm=comm.id, seq=view.seq, op=view.op,
                    onset_at=first, detected_at=now, evidence=evidence, job=comm.job)
 
 
 def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k: float = K,
-               activity: Optional[Activity] = None) -> Optional[Finding]:
+               activity: Optional[Activity] = None, blind: Optional[Blindness] = None) -> Optional[Finding]:
     """The hang (kind "hang") or pause (kind "slow", informational) finding for one communicator
     at time `now`, or None."""
     seq = comm.max_seq
@@ -314,7 +428,7 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k
     base = {"expected": len(expected), "failed": {str(r): e for r, e in sorted(view.failed.items())} or None}
     if view.failed:
         return _failed(tl, comm, view, expected, now, base)
-    if blind_members(tl, comm, expected, now):
+    if blind_members(tl, comm, expected, now, blind):
         return None  # we cannot tell "has not entered" from "its events cannot reach us"
     spread_peak, dur_peak = tl.recent_peaks(comm.id, now)
     entered = expected & view.enter.keys()
@@ -368,6 +482,10 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k
         return None
     dead = _dead(tl, comm, expected)
     started = expected & view.start.keys()
+    how: Dict[str, Any] = {}
+    if len(dead) > 1:  # killed inside, then the launcher stopped the others before any error came
+        since, erred, named = _first_error(tl, comm)
+        dead, how = died_first(tl, comm, dead, since, erred, named)
     if dead:
         blamed, reason = dead, _why_dead(tl, comm, dead)
     elif started and expected - started:
@@ -381,6 +499,8 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k
                     started=listed(started) if view.start else None,
                     note="all ranks entered; which link is at fault is not localised yet",
                     ranks=details, summary=_summary(details, reason))
+    if how:
+        evidence["outlived_fault"] = how
     return Finding(kind="hang", cls="fault", ranks=blamed, comm=comm.id, seq=seq, op=view.op,
                    onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
 
@@ -390,8 +510,15 @@ def check_all(tl: Timeline, now: float, floor_s: float = FLOOR_S, k: float = K,
     """Every communicator's hang or pause finding (both kinds; the facade splits them). `activity`
     (the Diagnoser's) judges a waited-for rank over its whole wait; without it, from one sample."""
     out = []
+    blind: Optional[Blindness] = None
     for comm in list(tl.comms.values()):
-        f = check_comm(tl, comm, now, floor_s, k, activity)
+        seq = comm.max_seq
+        view = comm.colls.get(seq) if seq >= 0 else None
+        if view is None or not view.enter or (view.completed_at is not None and not view.failed):
+            continue  # check_comm's first test, without the call: most communicators, most ticks
+        if blind is None:
+            blind = Blindness(tl, now)
+        f = check_comm(tl, comm, now, floor_s, k, activity, blind)
         if f is not None:
             out.append(f)
     if activity is not None:

@@ -5,16 +5,17 @@ same call on every rank only if every rank makes the same calls in the same orde
 WINDOW collectives of each communicator:
   - ranks at one (comm, seq) with different ops -> "inconsistent", naming the ranks whose op is not
     the majority's (a tie names every rank: no majority, no culprit);
-  - same op but different (count, dtype), where the probes report them (NCCL does; gloo's probes do
-    not, count -1) -> "inconsistent" the same way;
+  - same op but different sizes (count, dtype, and bytes where the timeline keeps them: NCCL's probes
+    report count and dtype, gloo's the tensor's bytes) -> "inconsistent" the same way; where some
+    ranks' sizes are unknown, only when a strict majority of the ranks that entered agree;
   - the evidence says whether the odd rank's sequence diverged: the communicator's ops repeat with a
     period (one training step); when the odd rank's ops equal the majority's pattern shifted by k
     seqs, it skipped (k > 0) or added (k < 0) k collectives.
 A collective is judged once all expected members entered it, or GRACE_S after the first did (late
 ranks cannot outvote the early ones). A completed, consistent collective is remembered as such and
 not looked at again. Times: Unix seconds.
-Caveat: a tensor size mismatch on gloo is not seen here (no sizes); it usually makes gloo abort a
-rank, which hang.py reports as a fault of the rank that died.
+Caveat: a size mismatch is only seen where sizes reach the timeline; without them it usually makes
+the library abort a rank, which hang.py reports as a fault of the rank that died.
 """
 from __future__ import annotations
 
@@ -39,6 +40,26 @@ def _vote(values: Dict[int, Any]) -> Tuple[Optional[Any], List[int]]:
     if rest and rest[0][1] == n:
         return None, sorted(values)
     return top, sorted(r for r, v in values.items() if v != top)
+
+
+def size_text(size: Tuple) -> str:
+    """(count, dtype[, nbytes]) as words: "4096 float32", "16384 B", "4096 float32, 16384 B"."""
+    count, dtype, nbytes = (tuple(size) + (-1, "", -1)[len(size):])[:3]
+    parts = []
+    if isinstance(count, int) and count >= 0:
+        parts.append(f"{count} {dtype or 'elements'}")
+    elif dtype:
+        parts.append(str(dtype))
+    if isinstance(nbytes, int) and nbytes >= 0:
+        parts.append(f"{nbytes} B")
+    return ", ".join(parts) or "unknown size"
+
+
+def _size_dict(size: Optional[Tuple]) -> Optional[Dict[str, Any]]:
+    if size is None:
+        return None
+    names = ("count", "dtype", "nbytes")
+    return {n: v for n, v in zip(names, size) if v not in (-1, "")}
 
 
 def _majority_ops(comm: Comm, first: int, last: int) -> Dict[int, str]:
@@ -90,38 +111,59 @@ def _shift(comm: Comm, rank: int, seq: int, maj: Dict[int, str]) -> Optional[Dic
     return {"shift": k, "period": p, "compared": len(mine)}
 
 
+def _sizes_differ(ops: Dict[int, str], sizes: Dict[int, Tuple]) -> bool:
+    """True when the ranks with a known size disagree, and either every rank that entered has one
+    (a vote, as for ops) or a strict majority of them share one size (else a rank whose size is
+    unknown could be the odd one)."""
+    if len(sizes) < 2 or len(set(sizes.values())) < 2:
+        return False
+    if len(sizes) == len(ops):
+        return True
+    top = collections.Counter(sizes.values()).most_common(1)[0][1]
+    return 2 * top > len(ops)
+
+
 def _check_view(tl: Timeline, comm: Comm, view: CollView, expected: Set[int], now: float) -> Optional[Finding]:
     ops = {r: op for r, op in view.ops.items() if r in expected}
     if len(ops) < 2:
         return None
-    sizes = {r: sz for r, sz in view.sizes.items() if r in expected}
+    sizes = {r: sz for r, sz in view.sizes.items() if r in ops}
     differ_ops = len(set(ops.values())) > 1
-    differ_sizes = not differ_ops and len(sizes) == len(ops) and len(set(sizes.values())) > 1
+    differ_sizes = not differ_ops and _sizes_differ(ops, sizes)
     if not (differ_ops or differ_sizes):
         return None
     if len(ops) < len(expected) and now - view.first_enter() < GRACE_S:
         return None  # the rest may still come and change the vote
     what = "op" if differ_ops else "size"
-    top, odd = _vote(ops if differ_ops else sizes)
+    votes = ops if differ_ops else {r: size_text(sz) for r, sz in sizes.items()}
+    top, odd = _vote(votes)
     detail_ranks = odd[:EVIDENCE_RANKS]
     by_value: Dict[str, List[int]] = collections.defaultdict(list)
-    for r, v in (ops if differ_ops else sizes).items():
+    for r, v in votes.items():
         by_value[str(v)].append(r)
     evidence: Dict[str, Any] = {
         "reason": f"different-{what}", "majority": None if top is None else str(top), "tie": top is None,
         "calls": {k: sorted(v)[:EVIDENCE_RANKS] for k, v in sorted(by_value.items())},
         "entered": len(ops), "expected": len(expected), "missing": sorted(expected - ops.keys())[:EVIDENCE_RANKS],
         "sizes_known": bool(sizes), "completed": view.completed_at is not None,
-        "ranks": [dict(rank_evidence(tl, comm, r, now), called=ops.get(r), size=sizes.get(r)) for r in detail_ranks],
+        "ranks": [dict(rank_evidence(tl, comm, r, now), called=ops.get(r), size=_size_dict(sizes.get(r)))
+                  for r in detail_ranks],
     }
+    if differ_sizes:
+        evidence["unknown_size"] = sorted(ops.keys() - sizes.keys())[:EVIDENCE_RANKS]
     if differ_ops and top is not None:
         maj = _majority_ops(comm, max(0, view.seq - HISTORY), comm.max_seq)
         shifts = {str(r): s for r in detail_ranks for s in [_shift(comm, r, view.seq, maj)] if s}
         if shifts:
             evidence["diverged"] = shifts
-    called = ", ".join(f"rank {r} {ops[r]}" for r in odd[:3])
-    evidence["summary"] = (f"{called} where the others called {top}" if top is not None
-                           else f"no majority: {'; '.join(f'{k} {v}' for k, v in sorted(by_value.items()))}")
+    if differ_ops:
+        called = ", ".join(f"rank {r} {ops[r]}" for r in odd[:3])
+        evidence["summary"] = (f"{called} where the others called {top}" if top is not None
+                               else f"no majority: {'; '.join(f'{k} {v}' for k, v in sorted(by_value.items()))}")
+    else:
+        called = ", ".join(f"rank {r} {ops[r]} of {votes[r]}" for r in odd[:3])
+        evidence["summary"] = (f"{called} where the others passed {top}" if top is not None
+                               else f"no majority: {'; '.join(f'{k} {v}' for k, v in sorted(by_value.items()))}")
     onset = min(view.enter[r] for r in odd if r in view.enter) if odd else view.first_enter()
     return Finding(kind="hang", cls="inconsistent", ranks=odd, comm=comm.id, seq=view.seq,
                    op=str(top) if top is not None and differ_ops else view.op, onset_at=onset, detected_at=now,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import weakref
+import zlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -35,7 +36,9 @@ RECENT_S = 10.0            # the window a slowdown is judged over ...
 RECENT_N = 10              # ... or its last RECENT_N collectives, if fewer: a 30x slower job completes a
                            # handful in 10 s, and a median over mostly pre-fault ones would hide it
 MIN_RECENT = 5             # completed collectives of one op needed in that window
-BASELINE_EVERY = 64        # completions of a communicator between two recomputations of its baselines
+BASELINE_EVERY = 64        # completions of a communicator between two recomputations of its baselines, plus
+                           # 0-63 more per communicator (from its id): thousands of node groups that complete
+                           # in step must not all recompute in one tick
 MIN_TAIL = 20              # ... and for judging its tail (mean and 90th percentile over RECENT_S)
 BULK_SHARE = 0.1           # pairs carrying at least this share of the busiest pair's bytes are judged
                            # on RTT; a pair that only sends a few control bytes sees the receiver's
@@ -120,21 +123,48 @@ def _conn_evidence(tl: Timeline, job: str, ranks: List[int]) -> List[Dict[str, o
              "last_progress_at": c.progress_at} for c in tl.links.conns_between(job, ranks[0], ranks[1])]
 
 
-def _duration(v: CollView) -> float:
-    return max(0.0, v.completed_at - v.last_enter())
+MAX_SCREEN = 64           # collectives screened per communicator per tick (a burst is caught over ticks)
 
 
 @dataclass
 class _CommState:
     """What find_comm_slow remembers about one communicator between ticks (a tick must stay cheap at
-    thousands of communicators: one that completed nothing new and was fine is not looked at again)."""
+    thousands of communicators: one that completed nothing new and was fine is not looked at again,
+    and a collective's duration is worked out once, not once per tick)."""
     completed_seen: int = -1
     slow: bool = False
     base_at: int = -(1 << 30)                                  # comm.completed when baselines were made
     base: Dict[str, Tuple[float, int]] = field(default_factory=dict)  # op -> (baseline s, collectives behind it)
+    screened: int = -1                                         # every completed seq up to this was screened
+    every: int = BASELINE_EVERY                                # this communicator's recomputation period
+    spans: Dict[int, Tuple[float, float, float]] = field(default_factory=dict)  # seq -> (completed_at, first, last enter)
 
 
 _STATE: "weakref.WeakKeyDictionary[Timeline, Dict[str, _CommState]]" = weakref.WeakKeyDictionary()
+
+
+def _span(st: _CommState, v: CollView) -> Tuple[float, float, float]:
+    """(completed_at, first enter, last enter) of a completed collective, cached: O(ranks) once."""
+    got = st.spans.get(v.seq)
+    if got is None or got[0] != v.completed_at:  # not seen, or a rebuilt group reused the seq
+        enters = v.enter.values()
+        got = st.spans[v.seq] = (v.completed_at, min(enters), max(enters))
+    return got
+
+
+def _duration(st: _CommState, v: CollView) -> float:
+    done, _, last = _span(st, v)
+    return max(0.0, done - last)
+
+
+def _spread(st: _CommState, v: CollView) -> float:
+    _, first, last = _span(st, v)
+    return last - first
+
+
+def _prune(st: _CommState, comm: Comm) -> None:
+    if len(st.spans) > 2 * len(comm.colls) + 64:
+        st.spans = {s: x for s, x in st.spans.items() if s in comm.colls}
 
 
 def _newest(comm: Comm, now: float) -> Dict[str, List[CollView]]:
@@ -151,14 +181,14 @@ def _newest(comm: Comm, now: float) -> Dict[str, List[CollView]]:
     return out
 
 
-def _baselines(comm: Comm, newest: Dict[str, List[CollView]]) -> Dict[str, Tuple[float, int]]:
+def _baselines(comm: Comm, newest: Dict[str, List[CollView]], st: _CommState) -> Dict[str, Tuple[float, int]]:
     """Per op, the fast quartile of the durations before its newest collectives: a slowdown that has
     lasted a while must not become "normal" while most of the history is still healthy."""
     skip = {id(v) for vs in newest.values() for v in vs}
     durs: Dict[str, List[float]] = {}
     for v in comm.colls.values():
         if v.completed_at is not None and v.enter and id(v) not in skip:
-            durs.setdefault(v.op, []).append(_duration(v))
+            durs.setdefault(v.op, []).append(_duration(st, v))
     out = {}
     for op, d in durs.items():
         d.sort()
@@ -167,20 +197,24 @@ def _baselines(comm: Comm, newest: Dict[str, List[CollView]]) -> Dict[str, Tuple
 
 
 def _any_slow(comm: Comm, st: _CommState) -> bool:
-    """Whether one of the newest RECENT_N completed collectives took SLOW_FACTOR x its op's baseline:
-    a cheap screen that spares most communicators the full test on most ticks. A heavy tail whose
-    stalls all fell before them is caught a tick or two later."""
-    n = 0
+    """Whether a collective that completed since the last screen took SLOW_FACTOR x its op's
+    baseline: a cheap screen that spares most communicators the full test on most ticks (each
+    collective is screened once). A heavy tail whose stalls all fell before them is caught a tick or
+    two later."""
+    top, lowest_open, found, n = st.screened, None, False, 0
     for v in reversed(comm.colls.values()):
+        if v.seq <= st.screened or n >= MAX_SCREEN:
+            break
+        n += 1
+        top = max(top, v.seq)
         if v.completed_at is None or not v.enter:
+            lowest_open = v.seq  # screened once it completes
             continue
         base = st.base.get(v.op)
-        if base is None or _duration(v) >= SLOW_FACTOR * base[0]:
-            return True
-        n += 1
-        if n >= RECENT_N:
-            return False
-    return False
+        if base is None or _duration(st, v) >= SLOW_FACTOR * base[0]:
+            found = True
+    st.screened = top if lowest_open is None else max(st.screened, lowest_open - 1)
+    return found
 
 
 def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, List[CollView], float, str, float]]:
@@ -192,11 +226,14 @@ def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, List[Co
     if comm.completed == st.completed_seen and not st.slow:
         return []
     st.completed_seen = comm.completed
-    if st.base and not st.slow and comm.completed - st.base_at < BASELINE_EVERY and not _any_slow(comm, st):
-        return []  # the last few collectives all ran at their baseline: nothing to judge this tick
+    if st.base and not st.slow and comm.completed - st.base_at < st.every and not _any_slow(comm, st):
+        return []  # what completed since the last tick ran at its baseline: nothing to judge this tick
+    _prune(st, comm)
     newest = _newest(comm, now)
-    if comm.completed - st.base_at >= BASELINE_EVERY or not st.base:
-        st.base, st.base_at = _baselines(comm, newest), comm.completed
+    if comm.completed - st.base_at >= st.every or not st.base:
+        st.base, st.base_at = _baselines(comm, newest, st), comm.completed
+        st.every = BASELINE_EVERY + zlib.crc32(comm.id.encode()) % BASELINE_EVERY
+        _any_slow(comm, st)  # what this full look saw need not be screened again
     out = []
     for op, views in newest.items():
         base, behind = st.base.get(op, (0.0, 0))
@@ -207,13 +244,13 @@ def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, List[Co
             continue
         for recent, stat in ((last, "median"), (window, "tail")):
             if stat == "median":
-                level = statistics.median(_duration(v) for v in recent)
+                level = statistics.median(_duration(st, v) for v in recent)
             elif len(recent) >= MIN_TAIL:
-                d = sorted(_duration(v) for v in recent)
+                d = sorted(_duration(st, v) for v in recent)
                 level = min(statistics.mean(d), d[int(len(d) * 0.9)])
             else:
                 continue
-            spread = statistics.median(v.last_enter() - v.first_enter() for v in recent)
+            spread = statistics.median(_spread(st, v) for v in recent)
             if level >= SLOW_FACTOR * base and level - base >= MIN_EXTRA_S and spread < level:
                 out.append((op, recent, base, stat, level))
     st.slow = bool(out)
@@ -256,7 +293,7 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         for op, recent, base, stat, level in sorted(slow, key=lambda s: -s[4] / max(s[2], 1e-9)):
             # Links are judged over the same span as the slow collectives, not over a fixed window
             # that would mix in the healthy seconds before the slowdown.
-            since = min(v.first_enter() for v in recent)
+            since = min(_span(st, v)[1] for v in recent)
             win = tl.links.pair_window(comm.job, since, now + 1.0)
             members = tl.expected_members(comm.id)
             win = {p: s for p, s in win.items() if p[0] in members and p[1] in members}
@@ -289,7 +326,7 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         evidence = {
             "op": op, "judged_by": stat, "summary": summary, "recent_s": round(level, 6), "baseline_s": round(base, 6),
             "slowdown": round(level / base, 2) if base > 0 else None, "recent_collectives": len(recent),
-            "arrival_spread_median_s": round(statistics.median(v.last_enter() - v.first_enter() for v in recent), 6),
+            "arrival_spread_median_s": round(statistics.median(_spread(st, v) for v in recent), 6),
             "first_slow_seq": first.seq, "links_since": round(since, 6),
             "localised_by": localised_by,
             "pairs": [win[p].as_dict() for p in sorted(suspects)],
@@ -299,5 +336,5 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         }
         # seq -1: a slowdown spans many collectives; the finding's identity must not move with the window.
         out.append(Finding(kind="slow", cls="comm-slow", ranks=ranks, link=link, comm=comm.id, seq=-1, op=op,
-                           onset_at=first.last_enter(), detected_at=now, evidence=evidence, job=comm.job))
+                           onset_at=_span(st, first)[2], detected_at=now, evidence=evidence, job=comm.job))
     return out

@@ -7,6 +7,8 @@ numbers: 4 collectives, then send and recv (c10d numbers p2p calls too, and the 
 them as P2P, not as collectives). Seen on torch 2.13: the default group's first collective is seq 1
 and neither init_process_group (a store-based barrier) nor destroy_process_group adds any, so the
 collective seqs of a job are exactly 1 + 6*step + {0, 1, 2, 3}.
+Sizes: every rank's enter of an allreduce, broadcast or allgather carries the tensor's bytes (--elems
+float32 elements; for allgather the input, the smallest of its buffers); a barrier carries none.
 Every process started here is killed (its whole session) even when an assertion fails.
 """
 import glob
@@ -34,6 +36,7 @@ ATTACH_TIMEOUT_S = 120     # torchrun start + symbol scan of libtorch_cpu.so, on
 JOB_TIMEOUT_S = 180         # under pytest-timeout's 300 s, so our message (with the output) wins
 SETTLE_TIMEOUT_S = 15      # agent stopped -> its last frame reaches the collector
 RUNNING_WAIT_S = 1.0       # after gloo's mesh is up in every rank, the job is well into its steps
+ELEMS = 4096               # gloo_job.py's default --elems (float32)
 
 
 def expected_op(seq: int) -> Optional[str]:
@@ -79,6 +82,20 @@ class Pipeline:
         assert self.agent.bpf_problem is None, f"eBPF did not load: {self.agent.bpf_problem}"
         assert any(fam.NAME == "gloo" for fam, _ in self.agent.families), self.agent.sources
         return self.agent
+
+    def capture_enters(self) -> List:
+        """Every CollEnter the gloo translator emits from now on (the timeline keeps no nbytes)."""
+        got: List = []
+        for fam, tr in self.agent.families:
+            if fam.NAME == "gloo":
+                emit = tr.emit
+
+                def both(e, emit=emit):
+                    if e.KIND == "coll":
+                        got.append(e)
+                    emit(e)
+                tr.emit = both
+        return got
 
     def output(self, tail: int = 6000) -> str:
         try:
@@ -212,12 +229,23 @@ def test_exact_counts_and_matching(pipeline, tmp_path):
     """23 steps of every op, traced from before the first collective: every event exactly once."""
     go = tmp_path / "go"
     proc = pipeline.start_job("--steps", STEPS, "--ops", OPS, "--wait-file", go)
-    pipeline.make_agent(root_pid=proc.pid).start()
+    agent = pipeline.make_agent(root_pid=proc.pid)
+    enters = pipeline.capture_enters()
+    agent.start()
     pipeline.wait_attached()
     go.touch()
     rc = pipeline.wait_job()
     assert rc == 0, f"job failed (rc {rc}):\n{pipeline.output()}"
     tl = pipeline.finish_tracing()
+
+    sizes: Dict[str, set] = {}
+    for e in enters:
+        sizes.setdefault(e.op, set()).add((e.nbytes, e.count, e.dtype))
+    want_size = {op: {(4 * ELEMS, -1, "")} for op in ("allreduce", "broadcast", "allgather")}
+    assert sizes == dict(want_size, barrier={(-1, -1, "")}), f"sizes by op: {sizes}"
+    assert len(enters) == WORLD * STEPS * len(COLL_OPS)
+    (tr,) = [tr for fam, tr in pipeline.agent.families if fam.NAME == "gloo"]
+    assert tr.unsized == 0, "an enter waited HOLD_MS for its size and went without it"
 
     want = {(r, op): STEPS for r in range(WORLD) for op in COLL_OPS}
     assert dict(tl.enter_counts) == want, f"CollEnter counts: {sorted(tl.enter_counts.items())}"

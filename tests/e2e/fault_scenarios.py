@@ -267,12 +267,12 @@ def wrong_op(s: Session, rank: int = 1, step: int = 150) -> Result:
 
 
 def wrong_size(s: Session, rank: int = 1, step: int = 150) -> Result:
-    """A rank all_reduces twice the elements of the others. Gloo aborts the rank that receives more
-    bytes than it expects (a neighbour of the odd rank, or the odd rank itself) and the others fail;
-    ccld sees no sizes on gloo, so what it can name is the rank that died: `culprits` is the rank
-    torchrun reports as the first failure, notes["odd_rank"] the rank whose size was wrong."""
+    """A rank all_reduces twice the elements of the others: inconsistent, that rank (the gloo probes
+    give every rank's tensor bytes). Gloo then aborts a rank that receives more bytes than it expects
+    (a neighbour of the odd rank, or the odd rank itself) and the others fail: notes["aborted"] is the
+    rank torchrun reports as the first failure, a consequence that must not be named instead."""
     t0 = time.time()
-    r = Result("different tensor size", "fault", [])
+    r = Result("different tensor size", "inconsistent", [rank])
     p, log, fpath = s.ccld_run("wrongsize", "--steps", 100000, "--ops", OPS, "--step-sleep-ms", 10,
                                "--wrong-size-rank", rank, "--wrong-size-step", step)
     r.onset = fault_time(log, rf"^rank {rank}: all_reduce of \d+ elements", START_TIMEOUT_S, p)
@@ -284,7 +284,7 @@ def wrong_size(s: Session, rank: int = 1, step: int = 150) -> Result:
         pass
     text = open(log, errors="replace").read()
     m = re.search(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+)", text, re.S)
-    r.culprits = [int(m.group(1))] if m else []
+    r.notes["aborted"] = int(m.group(1)) if m else None
     r.notes["exitcode"] = (re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", text, re.S) or [None, None])[1]
     return _finish(r, p, fpath, log, t0)
 

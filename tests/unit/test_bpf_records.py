@@ -21,7 +21,8 @@ pytestmark = pytest.mark.unit
 MIRRORS = {
     "common.h": {"ccld_hdr": records.Header},
     "gloo.bpf.c": {"gloo_pg_init": gloo.PgInit, "gloo_work_init": gloo.WorkInit,
-                   "gloo_work_ev": gloo.WorkEv, "gloo_p2p": gloo.P2pRec},
+                   "gloo_work_ev": gloo.WorkEv, "gloo_p2p": gloo.P2pRec, "gloo_work_size": gloo.WorkSize,
+                   "gloo_pair_fail": gloo.PairFail},
     "nccl.bpf.c": {"nccl_call": nccl.NcclCall, "nccl_group": nccl.NcclGroup,
                    "nccl_comm_init": nccl.NcclCommInit, "nccl_comm_end": nccl.NcclCommEnd},
 }
@@ -29,7 +30,8 @@ MIRRORS = {
 KIND_NAMES = {
     "gloo.bpf.c": ("gloo_kind", {"GLOO_PG_INIT": gloo.PG_INIT, "GLOO_WORK_INIT": gloo.WORK_INIT,
                                  "GLOO_WORK_START": gloo.WORK_START, "GLOO_WORK_END": gloo.WORK_END,
-                                 "GLOO_P2P": gloo.P2P_REC}),
+                                 "GLOO_P2P": gloo.P2P_REC, "GLOO_WORK_SIZE": gloo.WORK_SIZE,
+                                 "GLOO_PAIR_FAIL": gloo.PAIR_FAIL}),
     "nccl.bpf.c": ("nccl_kind", {"NCCL_COLL": nccl.COLL, "NCCL_P2P": nccl.P2P_REC, "NCCL_GROUP": nccl.GROUP,
                                  "NCCL_COMM_INIT": nccl.COMM_INIT, "NCCL_COMM_END": nccl.COMM_END}),
 }

@@ -364,3 +364,74 @@ def test_failures_on_every_rank_blame_the_failed_ones():
     job.feed(tl, t + 1)
     (f,) = hangs(tl, t + 2)
     assert (f.cls, f.ranks, f.evidence["reason"]) == ("fault", [1, 2], "failed")
+
+
+def killed_inside(t, error_text=None):
+    """Rank 2 is SIGKILLed inside collective 57; its ring neighbours 1 and 3 fail on the broken
+    connection, rank 0 waits inside without noticing; then the launcher stops 0, 1 and 3. The agent
+    sees 0 and 2 gone in one /proc scan."""
+    job, tl, _ = run_to(56)
+    for r in range(4):
+        job.enter(r, 57, t + 0.001 * r)
+        job.start(r, 57, t + 0.004)
+    for r in (1, 3):
+        job._put(r, ev.WorkEnd(pid=job.pid[r], rank=r, ts_ns=job.ts(r, t + 0.05), comm=job.comm, seq=57, ok=False,
+                               error=error_text or "gloo reported an error (finishWorkGlooError)"))
+    job.exit(0, t + 0.3)
+    job.exit(2, t + 0.3 + 1e-5)
+    job.exit(1, t + 0.5)
+    job.exit(3, t + 0.5)
+    job.feed(tl, t + 0.6)
+    return job, tl
+
+
+def test_a_rank_killed_inside_is_the_one_its_peers_lost_the_connection_to():
+    t = T0 + 100
+    text = ("gloo reported an error (finishWorkGlooError); connection to group rank 2 broke: "
+            "Read error [127.0.0.1]:65238: Connection reset by peer")
+    job, tl = killed_inside(t, text)
+    (f,) = hangs(tl, t + 2)
+    assert (f.cls, f.ranks, f.evidence["reason"]) == ("fault", [2], "exited"), f.evidence
+    assert f.evidence["never_ended"] == [0, 2] and f.evidence["death_order"] is None
+    assert f.evidence["outlived_fault"] == {"peers_lost_connection_to": {"2": 2}}
+
+
+def test_without_the_broken_connection_a_kill_inside_stays_unordered_and_says_so():
+    t = T0 + 100
+    job, tl = killed_inside(t)
+    (f,) = hangs(tl, t + 2)
+    assert f.ranks == [0, 2] and f.evidence["death_order"].startswith("unknown")
+
+
+def test_a_rank_that_failed_the_collective_before_is_a_victim_not_the_first_death():
+    job, tl, t = run_to(56)
+    # rank 2 dies inside 57; ranks 1 and 3 finish 57 and enter 58; rank 0 fails 57 on the broken
+    # connection and never gets to 58; ranks 1 and 3 then fail 58
+    for r in range(4):
+        job.enter(r, 57, t)
+        job.start(r, 57, t + 0.002)
+    for r in (1, 3):
+        job.end(r, 57, t + 0.01)
+        job.enter(r, 58, t + 0.02)
+        job.end(r, 58, t + 0.06, ok=False)
+    job.end(0, 57, t + 0.07, ok=False)
+    job.exit(0, t + 0.3)
+    job.exit(2, t + 0.3)
+    job.feed(tl, t + 0.6)
+    (f,) = hangs(tl, t + 2)
+    assert (f.cls, f.ranks, f.seq) == ("fault", [2], 58), f.evidence
+    assert f.evidence["outlived_fault"] == {"active_after_fault": [0]}
+
+
+def test_the_rank_whose_exit_was_seen_first_died_first():
+    job, tl, t = run_to(56)
+    for r in range(4):
+        job.enter(r, 57, t)
+        job.start(r, 57, t + 0.002)
+    for r in (1, 3):
+        job.end(r, 57, t + 0.05, ok=False)
+    job.exit(2, t + 0.2)  # one scan ...
+    job.exit(0, t + 1.2)  # ... and the next
+    job.feed(tl, t + 1.3)
+    (f,) = hangs(tl, t + 2.5)
+    assert f.ranks == [2] and f.evidence["outlived_fault"] == {"exited_later": [0]}

@@ -87,8 +87,24 @@ def test_different_sizes_where_the_probes_report_them():
     job.feed(tl, t + 0.1)
     (f,) = Diagnoser(tl).find_hangs(t + 0.2)
     assert (f.cls, f.ranks) == ("inconsistent", [3])
-    assert f.evidence["reason"] == "different-size" and f.evidence["ranks"][0]["size"] == (8192, "float32")
+    assert f.evidence["reason"] == "different-size" and f.evidence["ranks"][0]["size"] == {"count": 8192,
+                                                                                         "dtype": "float32"}
     assert f.evidence["sizes_known"] is True
+    assert f.evidence["calls"] == {"4096 float32": [0, 1, 2], "8192 float32": [3]}
+    assert f.evidence["summary"] == "rank 3 allreduce of 8192 float32 where the others passed 4096 float32"
+    assert format_line(f).startswith(f"HANG inconsistent [3] gloo:0 seq {seq}: rank 3 allreduce of 8192 float32")
+
+
+def test_a_size_known_for_too_few_ranks_names_nobody():
+    """Two of four ranks with a size, and they differ: either could be the odd one (the others'
+    sizes are unknown, e.g. an enter sent before its size came): no finding."""
+    job, tl, t, seq = job_with_steps(5)
+    for r in range(4):
+        job._put(r, ev.CollEnter(pid=job.pid[r], rank=r, ts_ns=job.ts(r, t), backend="nccl", comm=job.comm,
+                                 seq=seq, op="allreduce", count={0: 4096, 1: 8192}.get(r, -1),
+                                 dtype="float32" if r < 2 else ""))
+    job.feed(tl, t + 0.1)
+    assert Diagnoser(tl).find_inconsistent(t + 2) == []
 
 
 def test_an_inconsistency_that_completed_is_forgotten_once_the_job_moves_on():
@@ -104,3 +120,18 @@ def test_an_inconsistency_that_completed_is_forgotten_once_the_job_moves_on():
         t2 = job.collective(seq + i, t2 + 0.01, op=STEP[i % 3])
     job.feed(tl, t2 + 0.01)
     assert d.find_inconsistent(t2 + 0.1) == []
+
+
+def test_gloo_tensor_bytes_name_the_odd_rank():
+    """gloo's probes give the tensor's bytes (nbytes), not count and dtype (needs the timeline to
+    keep nbytes in CollView.sizes)."""
+    job, tl, t, seq = job_with_steps(5)
+    for r in range(4):
+        job._put(r, ev.CollEnter(pid=job.pid[r], rank=r, ts_ns=job.ts(r, t), backend="gloo", comm=job.comm,
+                                 seq=seq, op="allreduce", nbytes=32768 if r == 1 else 16384))
+    job.feed(tl, t + 0.1)
+    (f,) = Diagnoser(tl).find_hangs(t + 0.2)
+    assert (f.cls, f.ranks, f.op) == ("inconsistent", [1], "allreduce")
+    assert f.evidence["calls"] == {"16384 B": [0, 2, 3], "32768 B": [1]}
+    assert f.evidence["ranks"][0]["size"] == {"nbytes": 32768}
+    assert f.evidence["summary"] == "rank 1 allreduce of 32768 B where the others passed 16384 B"
