@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import operator
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -50,7 +51,7 @@ class Block:
         base.update(self.same)
         names = list(self.cols)
         out = []
-        for values in zip(*(self.cols[c] for c in names)):
+        for values in self._value_rows(names):
             args = dict(base)
             args.update(zip(names, values))
             for name, factory in factories:
@@ -61,13 +62,20 @@ class Block:
             out.append(e)
         return out
 
+    def _value_rows(self, names: List[str]) -> Iterator[tuple]:
+        """Each row's values of the columns `names`; n empty rows when every field is shared (n
+        identical events: zip of no columns would give none)."""
+        if not names:
+            return itertools.repeat((), self.n)
+        return zip(*(self.cols[c] for c in names))
+
     def wire(self) -> List[Dict[str, Any]]:
         """The block as wire maps, one per event, as they would be in a frame's "events" list."""
         names = list(self.cols)
         head = {"k": self.kind}
         head.update(self.same)
         out = []
-        for values in zip(*(self.cols[c] for c in names)):
+        for values in self._value_rows(names):
             d = dict(head)
             d.update(zip(names, values))
             out.append(d)
@@ -182,6 +190,10 @@ def read_block(raw: Any, n_events: int) -> Block:
     for name in req:
         if name not in known_same and name not in known_cols:
             raise ev.FrameError("missing-field", f"block of {kind!r}: missing field {name!r}")
+    if n > 1 and not known_cols:
+        # n identical events (not even ts_ns differs): nothing makes them, and a few bytes would cost
+        # the collector n events' work (a column costs the sender a byte a row at least)
+        raise ev.FrameError("bad-block", f"block of {kind!r}: {n} rows but no column")
     return Block(kind, n, at, known_same, known_cols)
 
 
@@ -213,6 +225,9 @@ def read_blocks(raw: Any, n_events: int, minor: int, agent: str, batch: int,
 
 
 KIND_ORDER = {"coll": 0, "start": 1, "end": 2}  # within one collective a rank enters, starts, then ends
+# Map events that say who is who (a rank announced, a communicator built): the rows after one in the
+# frame may need it, so one that comes after the first block is applied before the blocks' rows.
+ANNOUNCE_KINDS = frozenset({"rank", "comm"})
 
 
 def seq_runs(b: Block) -> List[Tuple[int, int, int]]:
@@ -238,19 +253,34 @@ def seq_runs(b: Block) -> List[Tuple[int, int, int]]:
     return out
 
 
-def in_order(plain: List[ev.Event], blocks: List[Block]) -> Iterator[Any]:
+def _kind(e: Any) -> Any:
+    """The kind of a plain event: an Event, or a wire map (expand() reads those unvalidated)."""
+    k = e.get("k") if type(e) is dict else getattr(e, "KIND", None)
+    return k if type(k) is str else None
+
+
+def in_order(plain: List[Any], blocks: List[Block]) -> Iterator[Any]:
     """The frame's events in the order a reader should apply them: yields Events and runs, a run being
     (block, seq, i, j), rows i:j of a block, all of collective seq.
 
-    The plain events before the first block come first, then every block's runs ordered by (seq, enter
-    before start before end), then the remaining plain events. A block gathers a whole frame's rows, so
-    without that merge a frame holding an allreduce then a broadcast would replay the broadcast's ends
-    (in the one "end" block) before its enters (in the broadcast's "coll" block)."""
+    The plain events before the first block come first, then the announcements among the rest (a
+    RankInfo, a CommInit: ANNOUNCE_KINDS), then every block's runs ordered by (seq, enter before start
+    before end), then the remaining plain events. A block gathers a whole frame's rows, so without that
+    merge a frame holding an allreduce then a broadcast would replay the broadcast's ends (in the one
+    "end" block) before its enters (in the broadcast's "coll" block); and without the announcements
+    first, a subgroup built in the middle of a frame would get its first collective before its CommInit
+    (its size unknown, so that collective would never be complete)."""
     if not blocks:
         yield from plain
         return
     at = min(b.at for b in blocks)
     yield from plain[:at]
+    later = []
+    for e in plain[at:]:
+        if _kind(e) in ANNOUNCE_KINDS:
+            yield e
+        else:
+            later.append(e)
     runs = []
     for k, b in enumerate(blocks):
         order = KIND_ORDER.get(b.kind, 3)
@@ -258,7 +288,7 @@ def in_order(plain: List[ev.Event], blocks: List[Block]) -> Iterator[Any]:
     runs.sort(key=lambda r: r[:5])
     for seq, _, _, i, j, b in runs:
         yield (b, seq, i, j)
-    yield from plain[at:]
+    yield from later
 
 
 def run_rows(b: Block, seq: int, i: int, j: int) -> List[ev.Event]:

@@ -170,8 +170,9 @@ class Family:
 
     def _plan(self, lib: str) -> Tuple[List[Tuple[str, int, Probe]], List[str]]:
         """Resolve every probe's symbols in `lib` once (the ELF scan is the slow part)."""
-        if lib_key(lib) in self._plans:
-            return self._plans[lib_key(lib)]
+        key = lib_key(lib)
+        if key in self._plans:
+            return self._plans[key]
         from bcc import BPF
         # One pass over the symbol table for all prefixes: each pass over libtorch_cpu.so costs ~0.8 s.
         pattern = "^(" + "|".join(re.escape(p.prefix) for p in self.PROBES) + ")"
@@ -190,18 +191,20 @@ class Family:
                 points.append((sym, addr, p))
             if not got:
                 missing.append(p.prefix)
-        self._plans[lib_key(lib)] = (points, missing)
-        return self._plans[lib_key(lib)]
+        self._plans[key] = (points, missing)
+        return self._plans[key]
 
     def attach(self, pid: int, lib: str) -> Attachment:
         """Trace `pid`: make sure the family's probes are on `lib` (once, for every process that maps
         it, as a unit: if one fails, none stay), then add pid to the program's `traced` set."""
         with self._lock:
             # By file, not by path: the same library reached as /usr/lib/x.so and /proc/PID/root/usr/lib/x.so
-            # (or through a bind mount) is one set of probes; two would report every call twice.
-            att = self.libs.get(lib_key(lib))
+            # (or through a bind mount) is one set of probes; two would report every call twice. The key
+            # is read once, before the attach: /proc/PID/root goes away if the process exits meanwhile.
+            key = lib_key(lib)
+            att = self.libs.get(key)
             if att is None:
-                att = self.libs[lib_key(lib)] = self._attach_lib(lib)
+                att = self.libs[key] = self._attach_lib(lib)
             try:
                 self.bpf[b"traced"][ct.c_uint32(pid)] = ct.c_uint8(1)
             except Exception as e:

@@ -9,8 +9,11 @@ For those frames, per agent id:
          store fsyncs, as by default; flushed_records when it does not): what survives a killed
          collector, and what the agent may forget. Without a store: once the timeline has the frame.
 Both are a watermark (every batch <= upto) and a bounded set of batches above it. An ack request names,
-per agent id, the lowest batch the agent may still send (its "floor"): nothing below comes again, so
-gaps down there (frames the agent dropped on overflow) close.
+per agent id, the lowest batch the agent may still send (its "floor"): nothing below is sent again, so
+gaps down there (frames the agent dropped on overflow) close in `acked`. Not in `seen`: a frame the
+agent sent and then evicted unacknowledged may still be on its way (the ingest thread behind the time
+service that answers), and it is stored when it comes; a gap in `seen` closes when it is filled, or
+is given up after MAX_ABOVE later frames (frames of one agent arrive in the order they were sent).
 `rebuild` reads every envelope of the store at start (not the events: ~1 us a frame), so a restarted
 collector knows what it holds before the first replayed frame arrives.
 Threads: the ingest thread adds, the time service thread answers (timesvc.py); one lock, held briefly.
@@ -220,12 +223,12 @@ class AckBook:
             self._promote()
             for agent, floor in req[2]:
                 a = self._agents.get(agent)
-                if a is None and floor <= 1:
-                    out.append([agent, 0])
+                if a is None:
+                    # nothing stored for it: everything below its floor is as good as acknowledged. No
+                    # entry made: a request must not push the agents that did send frames out (MAX_AGENTS)
+                    out.append([agent, max(0, floor - 1)])
                     continue
-                a = a or self._agent(agent)
-                a.seen.floor(floor)
-                a.acked.floor(floor)
+                a.acked.floor(floor)  # not seen.floor: see the module's docstring
                 out.append([agent, a.acked.upto])
         self.requests += 1
         return [req[1], out]

@@ -66,6 +66,7 @@ class ClockTable:
     def __init__(self, refine: bool = True) -> None:
         self._c: Dict[str, _AgentClock] = {}
         self.rejected = 0  # samples that cannot be right (negative or zero clocks, absurd drift)
+        self.revision = 0  # bumped whenever a conversion may have changed: who converted ahead can tell
         self.refiner = (JobClockRefiner(self._base_or_none, self._base_source, self._sync_unc, self._apply)
                         if refine else None)
 
@@ -78,6 +79,7 @@ class ClockTable:
         c = self._c.get(agent) or self._c.setdefault(agent, _AgentClock())
         c.wall_offset, c.wall_mono = wall_ns - mono_ns, mono_ns
         c.wall_samples += 1
+        self.revision += 1
         return True
 
     def update_sync(self, agent: str, e: ev.ClockSync) -> bool:
@@ -89,6 +91,7 @@ class ClockTable:
         c = self._c.get(agent) or self._c.setdefault(agent, _AgentClock())
         c.sync = e
         c.syncs += 1
+        self.revision += 1
         return True
 
     def update_event(self, agent: str, e: ev.Event) -> bool:
@@ -173,6 +176,8 @@ class ClockTable:
         for agent, (corr, unc, rel, groups) in corrections.items():
             c = self._c.get(agent)
             if c is not None:
+                if corr != c.corr:
+                    self.revision += 1
                 c.corr, c.corr_unc, c.rel_unc, c.groups = corr, unc, rel, groups
 
     def uncertainty_ns(self, agent: str) -> int:

@@ -16,6 +16,7 @@ job's whole world.
 from __future__ import annotations
 
 import collections
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, FrozenSet, Optional, Set, Tuple
 
@@ -35,6 +36,7 @@ MAX_WORLD_SIZE = 1 << 17      # 131,072 ranks: above the largest jobs run today;
 MAX_PENDING_NO_CLOCK = 100_000  # events held until their agent's first clock sample (sent every batch)
 PEAK_BUCKET_S = 300.0         # arrival-spread/duration peaks are kept per 5-minute bucket ...
 PEAK_BUCKETS = 12             # ... for an hour: a checkpoint every N minutes is still remembered
+NOT_APPLIED = float("-inf")   # a column block row's time when the fast path left it to _apply
 
 
 @dataclass
@@ -121,6 +123,19 @@ class Comm:
 
 
 _RANK_EVENTS = (ev.RankState, ev.RankExit, ev.CommInit, ev.CollEnter, ev.WorkStart, ev.WorkEnd, ev.P2P)
+# kind -> the fields the fast path reads once per block, from its shared fields: a block that has any of
+# them as a column takes the event-by-event path
+_FAST_SHARED = {"coll": frozenset({"op", "backend", "count", "dtype", "nbytes"}),
+                "end": frozenset({"ok", "error"})}
+
+
+class _FastBlock:
+    """A column block on the fast path, during one ingest: its communicator, pid -> RankRecord, and the
+    Unix time each row was applied with (NOT_APPLIED until then, and for rows left to _apply)."""
+    __slots__ = ("comm", "recs", "times")
+
+    def __init__(self, comm: Comm, recs: Dict[int, RankRecord], n: int):
+        self.comm, self.recs, self.times = comm, recs, [NOT_APPLIED] * n
 
 
 class Timeline:
@@ -185,41 +200,56 @@ class Timeline:
                     self.anomalies["no-clock-dropped"] += 1
                 else:
                     q.append((batch.node, e))
+        for b, prep in prepared.items():
+            if prep is not False:
+                self._saw_rows(b, prep)
 
     def _run_of(self, agent: str, node: str, prepared: Dict[Block, Any], b: Block, seq: int, i: int, j: int) -> None:
         """Rows i:j of column block `b` (blocks.py), all of collective `seq`: in one pass when they are
         what a live agent sends, else event by event.
 
-        The fast path needs: comm shared, every row's rank known and already a member of the
-        communicator from this node and pid, nothing seen twice. Whatever else (a first sight, a
-        restarted rank, duplicates, NCCL enters that GPU records join, an agent without a clock yet)
-        goes through _apply one event at a time, which counts every oddity as it always has."""
+        The fast path needs: comm shared (and every other field it reads: _FAST_SHARED), every row's
+        rank known and already a member of the communicator from this node and pid, nothing seen
+        twice. Whatever else (a first sight, a restarted rank, duplicates, NCCL enters that GPU records
+        join, an agent without a clock yet) goes through _apply one event at a time, which counts every
+        oddity as it always has."""
         prep = prepared.get(b)
         if prep is None:
             prep = prepared[b] = self._prepare(agent, node, b)
         if prep is False:
             self._rows(agent, node, run_rows(b, seq, i, j))
-        elif not self._run(agent, prep[0], b, seq, i, j, prep[1]):
+        elif not self._run(agent, prep, b, seq, i, j):
+            prep.times[i:j] = [NOT_APPLIED] * (j - i)  # _apply marks these processes as seen itself
             self._rows(agent, node, run_rows(b, seq, i, j), count=False)  # counted by _prepare
 
     def _prepare(self, agent: str, node: str, b: Block) -> Any:
-        """(communicator, Unix times of the rows) when block `b` can take the fast path, else False.
-        Counts the block's events and marks its processes as seen."""
+        """A _FastBlock when block `b` can take the fast path, else False. Counts the block's events
+        when it can."""
         same, cols = b.same, b.cols
         if not (self.clock.has(agent) and "comm" in same and "seq" in cols
                 and "pid" in cols and "rank" in cols and "ts_ns" in cols):
             return False
+        if not _FAST_SHARED.get(b.kind, frozenset()).isdisjoint(cols):
+            return False  # a field the fast path reads once per block differs from row to row
         recs = self._block_ranks(node, b)
         if recs is None:
             return False
-        times = self.clock.to_unix_many(agent, cols["ts_ns"])
-        # RankRecord.saw for each process: its last row is its newest (rows are in seq order, and a
-        # rank runs one communicator's collectives in order)
-        for pid, t in dict(zip(cols["pid"], times)).items():
+        return _FastBlock(self.comms[same["comm"]], recs, b.n)
+
+    def _saw_rows(self, b: Block, prep: _FastBlock) -> None:
+        """RankRecord.saw for the rows of block `b` the fast path applied, after its last run (nothing
+        reads last_event_at during an ingest): each process's newest time, found at C speed. Rows are
+        in seq order, so a process's last row is its newest, checked; else rows sorted by time go into
+        the dict, which keeps each process's last."""
+        times, recs, pids = prep.times, prep.recs, b.cols["pid"]
+        newest = dict(zip(pids, times))
+        if not all(map(operator.le, times, map(newest.__getitem__, pids))):
+            order = sorted(range(b.n), key=times.__getitem__)
+            newest = dict(zip(map(pids.__getitem__, order), map(times.__getitem__, order)))
+        for pid, t in newest.items():
             rec = recs[pid]
-            if rec.last_event_at is None or t > rec.last_event_at:
+            if t != NOT_APPLIED and (rec.last_event_at is None or t > rec.last_event_at):
                 rec.last_event_at = t
-        return self.comms[same["comm"]], times
 
     def _rows(self, agent: str, node: str, rows: list, count: bool = True) -> None:
         for e in rows:
@@ -254,29 +284,42 @@ class Timeline:
         self.events_by_kind[b.kind] += b.n
         return recs
 
-    def _run(self, agent: str, comm: Comm, b: Block, seq: int, i: int, j: int, times: list) -> bool:
-        """Apply rows i:j of block `b`, all of collective `seq`; False (having changed nothing but the
-        ranks' last-seen times) when they need the event-by-event path."""
-        kind, same = b.kind, b.same
-        ranks = b.cols["rank"][i:j]
+    def _run(self, agent: str, prep: _FastBlock, b: Block, seq: int, i: int, j: int) -> bool:
+        """Apply rows i:j of block `b`, all of collective `seq`; False (having changed nothing) when
+        they need the event-by-event path."""
+        comm = prep.comm
+        kind, same, cols = b.kind, b.same, b.cols
+        ranks = cols["rank"][i:j]
         if len(set(ranks)) != len(ranks):
             return False
         view = comm.colls.get(seq)
         if kind == "coll":
             if view is not None and not view.enter.keys().isdisjoint(ranks):
                 return False
-            self._enter_run(comm, seq, same, ranks, times[i:j])
-            return True
-        if view is None or not view.enter.keys() >= set(ranks) or (
+        elif view is None or not view.enter.keys() >= set(ranks) or (
                 not (view.start if kind == "start" else view.end).keys().isdisjoint(ranks)):
             return False
-        if kind == "start":
-            view.start.update(zip(ranks, times[i:j]))
+        # Converted run by run, as _apply converts each event when it applies it: the clock refiner
+        # moves an agent's correction every few collectives, in the middle of a block.
+        clock = self.clock
+        times = clock.to_unix_many(agent, cols["ts_ns"][i:j])
+        ok = kind != "end" or same.get("ok", True)
+        if kind == "end" and ok:
+            # The first of these ends may complete a collective the refiner reads, and move this
+            # agent's clock: _apply would convert the later ones after that, with the new correction.
+            revision = clock.revision
+            clock.observe_ends(agent, comm.id, seq, cols["ts_ns"][i:j])
+            if clock.revision != revision:
+                times[1:] = clock.to_unix_many(agent, cols["ts_ns"][i + 1:j])
+        prep.times[i:j] = times
+        if kind == "coll":
+            self._enter_run(comm, seq, same, ranks, times)
             return True
-        view.end.update(zip(ranks, times[i:j]))
-        if same.get("ok", True):
-            self.clock.observe_ends(agent, comm.id, seq, b.cols["ts_ns"][i:j])
-        else:
+        if kind == "start":
+            view.start.update(zip(ranks, times))
+            return True
+        view.end.update(zip(ranks, times))
+        if not ok:
             view.failed.update(dict.fromkeys(ranks, same.get("error") or "failed"))
         ops, vop = view.ops, view.op or "unknown"
         counts = self.end_counts  # not Counter.update: its Python-level checks cost more than 8 additions
@@ -287,10 +330,13 @@ class Timeline:
 
     def _enter_run(self, comm: Comm, seq: int, same: Dict[str, Any], ranks: list, times: list) -> None:
         op = same.get("op", "")
-        comm.members.update(ranks)
+        # As _enter does one event at a time: the first rank is a member before the collective is made
+        # (how many are kept depends on the group's size), the others after.
+        comm.members.add(ranks[0])
         if not comm.backend:
             comm.backend = same.get("backend", "")
         view = self._view(comm, seq, op, create=True)
+        comm.members.update(ranks)
         if view is None:
             self.anomalies["late-event"] += len(ranks) - 1  # _view counted one
             return

@@ -22,7 +22,9 @@ Start: an existing spool is read back in order. A damaged record is reported wit
 offset and skipped (reading resumes at the next record that checks out), a torn tail likewise;
 frames spooled for another collector (spool.json) are discarded, said and counted.
 Caveat: a disk error (full, read-only, removed) switches to memory for the rest of the run, said once;
-frames already on disk are still sent from there.
+frames already on disk are still sent from there, and while they are the oldest, a frame that finds
+memory full is dropped (evicting them would free no memory). A frame that cannot be read back from
+its segment (truncated under us) is dropped, counted once, and let go without waiting for an ack.
 """
 from __future__ import annotations
 
@@ -51,8 +53,12 @@ MIN_SEGMENT_BYTES = 4096
 TAIL_CACHE_FRAMES = 256                # frames just written, kept to be sent without reading them back
 TAIL_CACHE_BYTES = 8 * 1024 * 1024
 PROBLEMS_SAID = 8                      # damaged regions said one by one at start; the rest are counted
-MAX_AGENT_ID_BYTES = 255
+# The collector acknowledges agent ids of up to 256 characters (acks.MAX_AGENT_ID): up to 4 bytes each in
+# UTF-8. A longer id is cut at a character (it gets no acknowledgement anyway): cut inside one, its records
+# would read back as damage.
+MAX_AGENT_ID_BYTES = 1024
 MAX_RECORD_FRAME = 64 * 1024 * 1024    # sanity bound when reading back: a larger length is damage
+LOST_BATCH = 0                         # batches count from 1: 0 marks a frame that could not be read back
 MAGIC = b"\xc1\xcc\x5b\x01"            # 0xc1 is never a MessagePack type byte, as in the store
 HEAD = struct.Struct(">4sIIQIH")       # magic, crc, frame length, batch, events, agent id length
 LOCK_FILE, META_FILE = "spool.lock", "spool.json"
@@ -303,8 +309,11 @@ class Spool:
         return k
 
     def append(self, agent: str, batch: int, events: int, frame: bytes) -> None:
-        """Add one frame (never raises: a disk error moves the spool to memory; no room, the oldest go)."""
-        agent_b = agent.encode()[:MAX_AGENT_ID_BYTES]
+        """Add one frame (never raises: a disk error moves the spool to memory; no room, the oldest go,
+        or this one, when the oldest are on disk and memory is full)."""
+        agent_b = agent.encode()
+        if len(agent_b) > MAX_AGENT_ID_BYTES:
+            agent_b = agent_b[:MAX_AGENT_ID_BYTES].decode(errors="ignore").encode()
         disk = self.on_disk
         size = HEAD.size + len(agent_b) + len(frame) if disk else len(frame)
         limit = self.max_bytes if disk else self.memory_bytes
@@ -313,7 +322,13 @@ class Spool:
             self.dropped_events += events
             return
         while (self.disk_bytes if disk else self.mem_bytes) + size > limit and self._segs:
+            if not disk and self._segs[0].data is None:
+                break  # the oldest are on disk (from before a disk error): evicting them frees no memory
             self._evict_oldest()
+        if not disk and self.mem_bytes + size > limit:
+            self.dropped_frames += 1
+            self.dropped_events += events
+            return
         if disk:
             try:
                 self._append_disk(agent, agent_b, batch, events, frame)
@@ -388,6 +403,9 @@ class Spool:
             if frame is None:
                 if seg.data is not None:
                     frame = seg.data[i]
+                elif seg.batches[i] == LOST_BATCH:
+                    self.send += 1  # could not be read before: counted then
+                    continue
                 else:
                     try:
                         frame = os.pread(seg.fd, seg.lengths[i], seg.offsets[i])
@@ -398,6 +416,9 @@ class Spool:
                         self.dropped_frames += 1
                         self.dropped_events += seg.events[i]
                         log.warning("spool: cannot read back frame %d of %s: %s", i, seg.path, e)
+                        # never sent, so never acknowledged: let it go like an acknowledged one, and
+                        # pass it by, uncounted, when the cursor comes back to it (a replay)
+                        seg.batches[i] = LOST_BATCH
                         self.send += 1
                         continue
             return frame, seg.events[i]

@@ -75,7 +75,40 @@ def test_a_floor_closes_the_gaps_of_frames_an_agent_dropped():
         book.stored(book.admit(frame("a1", b)), None)
     assert book.answer(["ack", 1, [["a1", 3]]]) == [1, [["a1", 2]]]
     assert book.answer(["ack", 2, [["a1", 9]]]) == [2, [["a1", 10]]]  # 3..8 were dropped by the agent
-    assert book.admit(frame("a1", 5)) is DUPLICATE  # below the floor: it will not come, and is not wanted
+    # ... or sent, then evicted unacknowledged while still on their way: never stored, so kept if they come
+    t = book.admit(frame("a1", 5))
+    assert t not in (None, DUPLICATE) and book.frames_duplicate == 0
+    book.stored(t, None)
+    assert book.admit(frame("a1", 5)) is DUPLICATE
+    assert book.answer(["ack", 3, [["a1", 11]]]) == [3, [["a1", 10]]]
+
+
+def test_frames_evicted_on_their_way_are_stored_when_they_arrive_after_the_floor():
+    """A full spool evicts frames it sent and the collector has not acknowledged: the collector's ingest
+    thread is behind, and they are still queued for it. The agent's next "ack?" (answered at once by the
+    time service thread) carries a floor above them; they must still be stored when the ingest thread
+    gets to them, not dropped as duplicates of frames the store never had."""
+    from ccld.tracer.spool import Spool
+    frames = {b: ev.encode_batch("a1", "n1", b, [ev.ClockSample(mono_ns=b, wall_ns=b, ts_ns=b)] * 40, resend=True)
+              for b in range(1, 40)}
+    spool = Spool(None, memory_bytes=16 * len(frames[1]), say=lambda line: None).open()
+    spool.retain = True
+    book = AckBook()
+    on_the_way = []
+    for b in range(1, 40):
+        spool.append("a1", b, 40, frames[b])
+        while (got := spool.peek()) is not None:
+            spool.sent()
+            on_the_way.append(got[0])
+        if b == 3:  # the ingest thread stores 1..3, then falls behind
+            for f in on_the_way:
+                book.stored(book.admit(f), None)
+            on_the_way.clear()
+    assert spool.unacked_evicted_frames > 10
+    floor = spool.floors()["a1"]
+    assert book.answer(["ack", 1, [["a1", floor]]]) == [1, [["a1", floor - 1]]]
+    admitted = [book.admit(f) for f in on_the_way]
+    assert DUPLICATE not in admitted and book.frames_duplicate == 0
 
 
 @pytest.mark.parametrize("req", [
@@ -108,3 +141,16 @@ def test_a_restarted_collector_learns_what_its_store_holds(tmp_path):
     assert book.answer(["ack", 2, [["a1", 4]]]) == [2, [["a1", 5]]]
     w.close()
     assert book.counters()["ack_rebuilt_frames"] == 4
+
+
+def test_asking_about_agents_that_sent_nothing_makes_no_entry(monkeypatch):
+    """Anyone who reaches the time service may ask "ack?" about made-up agent ids: that must not push the
+    agents that sent frames out of the book (MAX_AGENTS), or their replays would be stored twice."""
+    monkeypatch.setattr(acks, "MAX_AGENTS", 4)
+    book = AckBook()
+    book.stored(book.admit(frame("real", 7)), None)
+    for k in range(10):
+        assert book.answer(["ack", k, [[f"made-up-{k}", 5], ["never-sent", 1]]]) == [k, [[f"made-up-{k}", 4],
+                                                                                       ["never-sent", 0]]]
+    assert book.counters()["ack_agents"] == 1 and book.agents_forgotten == 0
+    assert book.admit(frame("real", 7)) is DUPLICATE

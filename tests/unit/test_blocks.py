@@ -251,3 +251,137 @@ def test_a_healthy_job_reads_the_same_as_blocks_or_as_maps():
         states.append(snapshot(tl))
         assert tl.comms["j/gloo:0"].completed == 196 and not tl.anomalies
     assert states[0] == states[1]
+
+
+# ---- the fast path on what the random jobs above never make --------------------------------------
+
+def job_head(world=4, node="n0", comm="j/gloo:0"):
+    t = T0_NS
+    out = [ev.ClockSample(mono_ns=t, wall_ns=t + 10 ** 18, ts_ns=t)]
+    for r in range(world):
+        out.append(ev.RankInfo(pid=100 + r, rank=r, world_size=world, local_rank=r, node=node, job="j", ts_ns=t))
+        out.append(ev.CommInit(pid=100 + r, rank=r, ts_ns=t, backend="gloo", comm=comm, group_rank=r,
+                               group_size=world))
+    return out
+
+
+def both_ways(frames):
+    """[fast, event by event] timelines of (agent, node, wire frame) triples."""
+    out = []
+    for fast in (True, False):
+        tl = Timeline()
+        for agent, node, f in frames:
+            b = ev.decode_batch(f)
+            assert b.errors == []
+            if not fast:
+                b = ev.Batch(b.agent, b.node, b.batch, b.version, b.events)
+            tl.ingest(b, 1.0)
+        out.append(tl)
+    return out
+
+
+def test_fields_the_fast_path_reads_once_may_be_columns():
+    """Any field may be a column: op, backend, count and dtype of enters, ok and error of ends too. Read
+    once per block from its shared fields they would be lost (ops "", failures taken for successes)."""
+    t = T0_NS + 1000
+    cols = {"seq": [1] * 4, "pid": [100, 101, 102, 103], "rank": [0, 1, 2, 3]}
+    enters = {"k": "coll", "n": 4, "at": 0, "same": {"comm": "j/gloo:0", "backend": "gloo"},
+              "cols": dict(cols, ts_ns=[t, t + 1, t + 2, t + 3], op=["allreduce", "broadcast"] * 2,
+                           count=[1024] * 4, dtype=["float"] * 4)}
+    ends = {"k": "end", "n": 4, "at": 0, "same": {"comm": "j/gloo:0"},
+            "cols": dict(cols, ts_ns=[t + 10] * 4, ok=[True, False, True, True], error=["", "peer gone", "", ""])}
+    # one process whose later collective has the earlier time: its newest time is still the latest seen
+    odd = {"k": "start", "n": 2, "at": 0, "same": {"comm": "j/gloo:0"},
+           "cols": {"seq": [1, 2], "pid": [100, 100], "rank": [0, 0], "ts_ns": [t + 5_000_000, t + 5]}}
+    fast, slow = both_ways([("a", "n0", ev.encode_batch("a", "n0", 1, job_head())),
+                            ("a", "n0", env((), [enters, ends, odd], agent="a", node="n0", batch=2))])
+    assert snapshot(fast) == snapshot(slow)
+    view = fast.comms["j/gloo:0"].colls[1]
+    assert view.ops == {0: "allreduce", 1: "broadcast", 2: "allreduce", 3: "broadcast"}
+    assert view.failed == {1: "peer gone"} and view.sizes[3][:2] == (1024, "float")
+
+
+def test_the_fast_path_converts_with_the_clock_of_the_moment():
+    """The job's collectives refine the nodes' clocks every few collectives, in the middle of a frame:
+    each run of rows (and each end after one that moved the clock) converts with the correction of the
+    moment it is applied, as event by event does. Two nodes, node 1's wall clock 3 ms ahead."""
+    rnd = random.Random(3)
+    frames, t, seq = [], T0_NS, 0
+    heads = {0: [], 1: []}
+    for e in job_head():
+        if isinstance(e, (ev.RankInfo, ev.CommInit)):
+            heads[e.pid // 2 - 50].append(e)  # ranks 0, 1 on node 0; 2, 3 on node 1
+    for k in range(6):
+        evs = {n: list(heads[n]) if k == 0 else [] for n in (0, 1)}
+        for _ in range(30):
+            seq += 1
+            t += 1_000_000
+            for r in range(4):
+                e = dict(pid=100 + r, rank=r, comm="j/gloo:0", seq=seq)
+                evs[r // 2] += [ev.CollEnter(ts_ns=t + r * 1000, backend="gloo", op="allreduce", **e),
+                                ev.WorkStart(ts_ns=t + 5000, **e),
+                                ev.WorkEnd(ts_ns=t + 100_000 + int(rnd.gauss(0, 50_000)), **e)]
+        for n in ((0, 1) if k % 2 else (1, 0)):  # each node's frames now first, now second
+            cs = ev.ClockSample(mono_ns=t, wall_ns=t + 10 ** 18 + 3_000_000 * n, ts_ns=t)
+            frames.append((f"a{n}", f"n{n}", ev.encode_batch(f"a{n}", f"n{n}", k + 1, [cs] + evs[n])))
+    fast, slow = both_ways(frames)
+    assert fast.clock.refiner.used > 20 and fast.clock._c["a1"].corr != 0  # the refinement did move it
+    assert snapshot(fast) == snapshot(slow)
+
+
+def test_ranks_new_to_a_big_group_enter_as_they_would_one_at_a_time():
+    """How many collectives a communicator keeps depends on its size (MAX_RANK_ENTRIES_PER_COMM). Ranks it
+    knows by pid but not as members yet (their first event in it was a start) join it one by one."""
+    world, t = 300, T0_NS
+    head = [ev.ClockSample(mono_ns=t, wall_ns=t + 10 ** 18, ts_ns=t)]
+    for r in range(world):
+        head.append(ev.RankInfo(pid=1000 + r, rank=r, world_size=world, local_rank=r % 8, node="n0", job="j",
+                                ts_ns=t))
+        if r < world - 2:
+            head.append(ev.CommInit(pid=1000 + r, rank=r, ts_ns=t, backend="gloo", comm="c", group_rank=r,
+                                    group_size=world))
+    many = [ev.CollEnter(pid=1000, rank=0, ts_ns=t + s, backend="gloo", comm="c", seq=s, op="allreduce")
+            for s in range(1, 3601)]
+    many += [ev.WorkStart(pid=1000 + r, rank=r, ts_ns=t + 3600, comm="c", seq=3600) for r in (world - 2, world - 1)]
+    late = [ev.CollEnter(pid=1000 + r, rank=r, ts_ns=t + 4000, backend="gloo", comm="c", seq=3601, op="allreduce")
+            for r in (world - 2, world - 1)]
+    frames = [("a", "n0", ev.encode_batch("a", "n0", k + 1, f)) for k, f in enumerate([head, many, late])]
+    fast, slow = both_ways(frames)
+    assert fast.comms["c"].evicted_upto == slow.comms["c"].evicted_upto > 0
+    assert snapshot(fast) == snapshot(slow)
+
+
+def test_a_subgroup_built_in_the_middle_of_a_frame_reads_as_it_would_from_maps():
+    """World allreduce 1, then a subgroup's CommInit, then the subgroup's allreduce 1, in one frame. Its
+    CommInit (a map event after the first block) is applied before the blocks' rows, so the subgroup's
+    first collective is not read with its size unknown (taken as the world's, it never completes)."""
+    t = T0_NS
+    f = [coll(r, 1, t + 10 + r) for r in range(4)] + [end(r, 1, t + 20 + r) for r in range(4)]
+    f += [ev.CommInit(pid=100 + r, rank=r, ts_ns=t + 30, backend="gloo", comm="j/gloo:1", group_rank=r // 2,
+                      group_size=2) for r in (0, 2)]
+    f += [coll(r, 1, t + 40 + r, comm="j/gloo:1") for r in (0, 2)] + [end(r, 1, t + 50 + r, comm="j/gloo:1")
+                                                                        for r in (0, 2)]
+    states = []
+    for columns in (False, True):
+        tl = Timeline()
+        for k, evs in enumerate([job_head(comm="j/gloo:0"), f]):
+            tl.ingest(ev.decode_batch(ev.encode_batch("a", "n0", k + 1, evs, columns=columns)), 1.0)
+        assert tl.comms["j/gloo:1"].completed == 1 and tl.comms["j/gloo:0"].completed == 1
+        states.append(snapshot(tl))
+    assert states[0] == states[1]
+
+
+def test_a_block_with_every_field_shared_is_one_event_and_more_rows_are_refused():
+    one = {"k": "start", "n": 1, "at": 0, "same": {"comm": "c", "seq": 4, "pid": 100, "rank": 0, "ts_ns": 10},
+           "cols": {}}
+    batch = ev.decode_batch(env(blocks_=[one]))
+    assert len(batch) == 1 and batch.events == [start(0, 4, 10, comm="c")]  # zip of no columns gave none
+    assert blocks.expand(msgpack.unpackb(env(blocks_=[one]), raw=False)) == [start(0, 4, 10, comm="c").to_wire()]
+    tl = Timeline()
+    tl.ingest(batch, 1.0)
+    assert tl.events_by_kind["start"] == 1
+    # n identical events: no writer makes them, and ~100 bytes must not cost the collector 60,000 events
+    c = IngestCounters()
+    batch, err = decode_frame(env(blocks_=[dict(one, n=60_000), GOOD_BLOCK]), c)
+    assert err is None and len(batch) == 2 and c.bad_events == {"bad-block": 60_000}
+    assert "no column" in str(batch.errors[0])

@@ -63,3 +63,36 @@ def test_several_roots_and_a_new_child():
             subprocess.run(["pkill", "-9", "-P", str(p.pid)])
             p.kill()
             p.wait()
+
+
+def test_a_library_keeps_one_set_of_probes_when_its_process_exits_during_the_attach(tmp_path):
+    """loader.Family.attach files a library's probes by (device, inode), so the same file reached through
+    /proc/PID/root and directly gets one set. The key is read before the attach (seconds on libtorch):
+    read after it, a process that exited meanwhile takes its /proc/PID/root path along, the probes are
+    filed under the path, and the next rank mapping that file gets a second set (every call twice)."""
+    from ccld.bpf import loader
+
+    lib = tmp_path / "libtorch_cpu.so"
+    lib.write_bytes(b"\x7fELF")
+    root = tmp_path / "root-of-pid"  # stands for /proc/PID/root: gone when the process is
+    os.symlink(tmp_path, root)
+    attached = []
+
+    class Traced(dict):
+        def __setitem__(self, k, v):
+            dict.__setitem__(self, k.value, v.value)
+
+    class Fake(loader.Family):
+        NAME = "fake"
+
+        def _attach_lib(self, path):
+            attached.append(path)
+            if root.is_symlink():
+                root.unlink()  # the traced process exits while its library's probes go on
+            return loader.Attachment(-1, path)
+
+    fam = Fake(lambda kind, rec: None)
+    fam.bpf = {b"traced": Traced()}
+    fam.attach(1, str(root / "libtorch_cpu.so"))
+    fam.attach(2, str(lib))  # another rank, the same file
+    assert len(attached) == 1 and list(fam.libs) == [loader.lib_key(str(lib))]

@@ -262,3 +262,49 @@ def test_a_directory_another_user_owns_is_not_used(tmp_path, monkeypatch):
     monkeypatch.setattr(sp.os, "geteuid", lambda: me + 4242)  # as if this agent ran as another user
     lines = []
     assert not open_spool(other, lines).on_disk and f"owned by uid {me}, not this user" in lines[0]
+
+
+def test_memory_full_after_a_disk_error_drops_the_new_frame_not_the_disk_backlog(tmp_path):
+    s = open_spool(tmp_path / "spool", memory_bytes=4 * len(frame(1, pad=1000)))
+    s.retain = True
+    fill(s, range(1, 41), pad=1000)  # the collector is away: all of it waits on disk
+    s._to_memory("simulated disk error")
+    fill(s, range(41, 46), pad=1000)  # memory holds four of these: the fifth finds it full
+    # evicting the disk segments would free no memory: the frame that does not fit is the one lost
+    assert (s.dropped_frames, s.dropped_events) == (1, 2)
+    assert drain(s) == list(range(1, 45))
+    s.close()
+
+
+def test_a_frame_that_cannot_be_read_back_is_counted_once_and_let_go(tmp_path):
+    s = open_spool(tmp_path / "spool")
+    s.retain = True
+    n = sp.TAIL_CACHE_FRAMES + 5  # the oldest five are read back from the file, not from the tail cache
+    fill(s, range(1, n + 1))
+    seg = s._segs[0]
+    os.truncate(seg.path, seg.offsets[2])  # frames 3 on cut off under the agent
+    assert drain(s)[:2] == [1, 2] and s.dropped_frames == 3
+    s.ack("a1", 2)
+    assert s.floors() == {"a1": 6} and s.held() == n - 5  # never sent, never acknowledged: let go anyway
+    s.rewind()
+    drain(s)  # a replay reads the rest from the file, and cannot either
+    s.rewind()
+    drain(s)
+    assert s.dropped_frames == n - 2  # each lost frame counted once, however often the cursor passes it
+    s.ack("a1", 2)
+    assert s.held() == 0
+    s.close()
+
+
+def test_a_long_non_ascii_agent_id_reads_back_whole(tmp_path):
+    agent = "ü" * 130 + ":1234:abcdef"  # 142 characters (the collector acknowledges up to 256), 272 bytes
+    s = open_spool(tmp_path / "spool")
+    fill(s, [1, 2, 3], agent=agent)
+    s.close()
+    s2 = open_spool(tmp_path / "spool")
+    assert s2.damaged_bytes == 0 and s2.restored_frames == 3 and s2.floors() == {agent: 1}
+    s2.retain = True
+    drain(s2)
+    s2.ack(agent, 3)
+    assert s2.held() == 0
+    s2.close()
