@@ -150,6 +150,8 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
             time.sleep(0.1)
         if interrupted:
             say("ccld: interrupted; stopping the command")
+            if session.collector is not None:
+                session.collector.quiesce()  # ranks our SIGTERM catches mid-step are not a hang
             session.agent.stop()  # before the ranks die: our own SIGTERM is not a finding
             stop_group(proc)
         return exit_status(proc.returncode)

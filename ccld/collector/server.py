@@ -120,6 +120,7 @@ class Collector:
         self._threads: List[threading.Thread] = []
         self._started_at: Optional[float] = None
         self._stopped = False
+        self.quiesced = False  # the job is being stopped on purpose (quiesce): no detection from then on
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -308,8 +309,16 @@ class Collector:
             self.internal_errors += 1
             log.exception("collector final detection failed")
 
+    def quiesce(self) -> None:
+        """The job is about to be stopped on purpose (`ccld run` interrupted): from now on no detection
+        runs, so ranks that our own SIGTERM catches between two collectives are not reported as a hang.
+        Frames are still received and stored."""
+        self.quiesced = True
+
     def tick(self, now: float, stacks: bool = True) -> None:
         """Run the detectors at Unix time `now`; report what is new, what changed and what recovered."""
+        if self.quiesced:
+            return
         with self._lock:
             found = self.diagnoser.diagnose(now)
             changes = self.tracker.step(found, now)

@@ -98,6 +98,32 @@ def test_live_collector_finds_a_hang_and_survives_garbage(tmp_path, push):
     assert report["recorded_stats"]["frames_rejected"] == {"not-msgpack": 1}
 
 
+def test_a_quiesced_collector_reports_nothing_new(push):
+    """`ccld run` interrupted quiesces its collector before stopping the job: ranks its SIGTERM catches
+    between two collectives must not become a hang, however long the shutdown takes."""
+    lines = []
+    col = Collector(listen="tcp://127.0.0.1:*", on_line=lines.append, floor_s=1.0)
+    col.start()
+    try:
+        sock = push(col.endpoint)
+        now = time.time()
+        job = SynthJob(t0=now - 10)
+        job.announce(now - 5)
+        t = job.steps(1, 10, now - 2, period=0.05)
+        col.quiesce()
+        for r in (0, 1, 3):
+            job.enter(r, 11, t + 0.05)
+        for f in job.frames(time.time()):
+            sock.send(f)
+        assert wait_for(lambda: col.stats["frames_ok"] == 2)
+        time.sleep(2.0)  # 4 ticks past the 1 s floor
+        col.tick(time.time())
+        assert lines == [] and col.findings == []
+    finally:
+        col.stop()
+    assert col.findings == []  # nor at the final tick
+
+
 def test_address_in_use_is_a_clear_error():
     a = Collector(listen="tcp://127.0.0.1:*", on_line=lambda s: None).start()
     try:
