@@ -161,10 +161,17 @@ class Pipeline:
 
     def close(self) -> None:
         if self.proc is not None:
+            # torchrun's workers run in sessions of their own: a SIGKILLed torchrun leaves them behind
+            ranks = self.job_pids() if self.proc.poll() is None else []
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # torchrun and every rank (its own session)
+                os.killpg(self.proc.pid, signal.SIGKILL)  # torchrun and what stayed in its session
             except ProcessLookupError:
                 pass
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.proc.wait()
         if self.agent is not None:
             self.agent.stop()

@@ -9,7 +9,6 @@ exist here. Every collective must still be counted exactly once.
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -26,18 +25,10 @@ def pipeline(need_bpf, tmp_path, job_env):
     if shutil.which("unshare") is None:
         pytest.fail("unshare (util-linux) is missing: it is part of every Debian install")
     p = Pipeline(tmp_path, job_env)
-    ranks = []
     try:
         yield p
     finally:
-        if p.proc is not None and p.proc.poll() is None:
-            ranks = p.job_pids()  # torchrun's workers outlive a SIGKILLed torchrun: kill them by pid too
-        p.close()
-        for pid in ranks:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        p.close()  # kills the ranks by pid too
 
 
 def test_job_in_another_mount_namespace_is_traced_through_proc_root(pipeline, tmp_path):
