@@ -18,9 +18,10 @@ import pytest
 from ccld import events as ev
 from ccld.collector.store import read_store
 from ccld.collector.timesvc import free_port_pair
-from conftest import bpf_skip_reason, gloo_job_cmd, torch_skip_reason
+from conftest import gloo_job_cmd
 from test_collector_restart import CCLD, wait_for as wait_until
-from test_run_e2e import Procs, wait_for
+from test_deploy_e2e import procs  # noqa: F401  (the fixture: real eBPF and torch, or skip)
+from test_run_e2e import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -28,16 +29,6 @@ STEPS = 601                  # prime: a lost or doubled collective cannot hide i
 OPS = "allreduce,broadcast,barrier"
 START_TIMEOUT_S = 150.0      # torchrun + import torch + compiling the gloo probes, on 2 busy vCPUs
 KIND = {"coll": "enter", "start": "start", "end": "end"}
-
-
-@pytest.fixture
-def procs(tmp_path):
-    reason = bpf_skip_reason() or torch_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    p = Procs(tmp_path)
-    yield p
-    p.cleanup()
 
 
 
