@@ -104,7 +104,13 @@ def descendants(root: int, pids: Optional[Iterable[int]] = None) -> Set[int]:
     children: Dict[int, List[int]] = {}
     for pid in (pids if pids is not None else all_pids()):
         children.setdefault(ppid_of(pid), []).append(pid)
-    out, todo = set(), [root]
+    return _below(children, [root])
+
+
+def _below(children: Dict[int, List[int]], roots: Iterable[int]) -> Set[int]:
+    """Every process under `roots` (roots themselves excluded) in a parent -> children map."""
+    out: Set[int] = set()
+    todo = list(roots)
     while todo:
         for c in children.get(todo.pop(), []):
             if c not in out:
@@ -139,14 +145,7 @@ class ProcTree:
                 if parent < 0:
                     del ppid[pid]  # gone while we looked: try again next scan
             children.setdefault(parent, []).append(pid)
-        out: Set[int] = set()
-        todo = list(roots)
-        while todo:
-            for c in children.get(todo.pop(), []):
-                if c not in out:
-                    out.add(c)
-                    todo.append(c)
-        return out
+        return _below(children, roots)
 
 
 def alive(pid: int) -> bool:
