@@ -10,7 +10,7 @@ REQUIRE := $(shell [ "$$(id -u)" = 0 ] && echo unit,bpf,e2e || echo unit)
 
 setup: $(VENV)/.ccld-ready
 
-$(VENV)/.ccld-ready: pyproject.toml scripts/setup.sh
+$(VENV)/.ccld-ready: pyproject.toml setup.py scripts/setup.sh ccld/export/_hotpath.c
 	bash scripts/setup.sh
 	touch $@
 

@@ -14,9 +14,10 @@ column is checked by summing it (C speed), which lets bools through as 0 and 1.
 """
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+from ccld.export import accel
 from ccld.export.collectives import MAX_GROUPS, MAX_OPEN
 
 if TYPE_CHECKING:
@@ -81,12 +82,17 @@ def rows_in(blocks: list) -> int:
 
 
 def _column(same: dict, cols: dict, name: str, n: int, typ: type, default: Any = _MISSING):
-    """Field `name` as an iterable of n values of exact type `typ`: a column, or a shared value repeated."""
+    """Field `name` as n values of exact type `typ`: a column (a list), or the one shared value (_rows
+    repeats it for a loop; accel.hot takes either)."""
     c = cols.get(name, _MISSING)
     if c is not _MISSING:
         if type(c) is not list or len(c) != n:
             raise BadBlock(name)
         if typ is int:
+            if accel.hot is not None:
+                if not accel.hot.all_ints(c):
+                    raise BadBlock(name)
+                return c
             # One C-level pass, 3-5x faster than type() of each: msgpack gives int, float, str, bytes,
             # bool, None, list or map, and only ints (and bools, which pass as 0/1) sum to an int.
             try:
@@ -100,7 +106,13 @@ def _column(same: dict, cols: dict, name: str, n: int, typ: type, default: Any =
     v = same.get(name, default)
     if v is _MISSING or type(v) is not typ:
         raise BadBlock(name)
-    return repeat(v, n)
+    return v
+
+
+def _rows(n: int, start: int, *columns):
+    """Rows start.. of columns from _column, as tuples."""
+    rows = zip(*(c if type(c) is list else repeat(c, n) for c in columns))
+    return islice(rows, start, None) if start else rows
 
 
 def _shared(same: dict, cols: dict, name: str, default: Any) -> Any:
@@ -160,9 +172,20 @@ def _colls(m: "TraceModel", agent: str, node: str, n: int, same: dict, cols: dic
     open_ = colls.open
     setdefault = open_.setdefault
     args = (op, count, dtype, nbytes)  # shared by the block's rows: flush_group compares it by identity
+    start = 0
+    hot = accel.hot
+    if hot is not None:
+        start, dups, max_ts = hot.colls(m, colls, procs, open_, node, seqs, pids, ranks, tss, tids, args, comm,
+                                        op, off, (0, n, MAX_OPEN, m.max_ts))
+        if dups:
+            m.anomalies["duplicate-enter"] += dups
+        if max_ts is not None:
+            m.max_ts = max_ts
+        if start == n:
+            return True
     max_ts = m.max_ts
     last_pid, p = None, None
-    for seq, pid, rank, ts, tid in zip(seqs, pids, ranks, tss, tids):
+    for seq, pid, rank, ts, tid in _rows(n, start, seqs, pids, ranks, tss, tids):
         if pid != last_pid:
             p = procs.get(pid)
             if p is None:
@@ -194,9 +217,11 @@ def _starts(m: "TraceModel", agent: str, node: str, n: int, same: dict, cols: di
     tss = _column(same, cols, "ts_ns", n, int)
     procs = _procs(m, node)
     open_ = m.colls.open
+    start = missing = 0
+    if accel.hot is not None:
+        start, missing = accel.hot.starts(procs, open_, seqs, pids, tss, comm, off, 0, n)
     last_pid, p = None, None
-    missing = 0
-    for seq, pid, ts in zip(seqs, pids, tss):
+    for seq, pid, ts in _rows(n, start, seqs, pids, tss):
         if pid != last_pid:
             p = procs.get(pid)
             last_pid = pid
@@ -222,14 +247,20 @@ def _ends(m: "TraceModel", agent: str, node: str, n: int, same: dict, cols: dict
     procs = _procs(m, node)
     colls = m.colls
     open_, groups, expected = colls.open, colls.groups, colls.expected
+    start = missing = 0
+    if accel.hot is not None:
+        start, missing, max_ts = accel.hot.ends(m, colls, procs, open_, groups, expected, colls.comm_job, node, seqs,
+                                                pids, ranks, tss, comm, ok, error, off,
+                                                (0, n, MAX_GROUPS, m.max_ts))
+        if max_ts is not None:
+            m.max_ts = max_ts
     max_ts = m.max_ts
     last_pid, p = None, None
-    missing = 0
     cur = None  # the seq of the group `items` belongs to (rows come sorted by seq: one lookup per run)
     items: list = []
     want = 0
     gk = None
-    for seq, pid, rank, ts in zip(seqs, pids, ranks, tss):
+    for seq, pid, rank, ts in _rows(n, start, seqs, pids, ranks, tss):
         if pid != last_pid:
             p = procs.get(pid)
             if p is None:

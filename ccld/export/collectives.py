@@ -17,7 +17,9 @@ import operator
 import struct
 from typing import TYPE_CHECKING, Any, Dict, Tuple
 
+from ccld.export import accel
 from ccld.export.gpu import slice_flow
+from ccld.export.protobuf import ProtoSink
 from ccld.export.tracks import Lanes, Proc
 
 if TYPE_CHECKING:
@@ -153,6 +155,31 @@ class Collectives:
         else:
             roles = _NO_ROLES if n <= len(_NO_ROLES) else [0] * n
         sink = m.sink
+        if accel.hot is not None:  # the loop below, in C
+            end, written, nunf, bad = accel.hot.ranks(m, sink, type(sink) is ProtoSink, items, roles, seq, comm, fid,
+                                                      t_to, _SINK_ERRORS, self.new_flow, slice_flow)
+            if bad:
+                m.stats["bad_events"] += bad
+        else:
+            end, written, nunf = self._ranks(items, roles, seq, comm, fid)
+        m.stats["slices"] += written
+        first, last = items[0], items[-1]
+        lanes = self.comm_lanes.get(comm) or self._comm_lanes(comm)
+        t = lanes.pick(first[0], end)
+        if not t.declared:
+            m.declare(t)
+        try:
+            sink.comm(t, first[0], end, first[3][1][0], seq, comm, n, first[2].rank, last[2].rank,
+                      (last[0] - first[0]) // 1000, not complete, nunf)
+            m.stats["slices"] += 1
+        except _SINK_ERRORS:
+            m.stats["bad_events"] += 1
+
+    def _ranks(self, items: list, roles: Any, seq: int, comm: str, fid: int) -> Tuple[int, int, int]:
+        """flush_group's per-rank loop (accel.hot.ranks is the same in C): each rank's `calls` and
+        `worker` slices; returns (the last end, slices written, unfinished ranks)."""
+        m = self.m
+        sink, t_to = m.sink, m.t_to
         rank = sink.rank
         new_flow = self.new_flow
         end = written = 0
@@ -202,18 +229,7 @@ class Collectives:
                 written += 1 if tw is None else 2
             except _SINK_ERRORS:
                 m.stats["bad_events"] += 1
-        m.stats["slices"] += written
-        first, last = items[0], items[-1]
-        lanes = self.comm_lanes.get(comm) or self._comm_lanes(comm)
-        t = lanes.pick(first[0], end)
-        if not t.declared:
-            m.declare(t)
-        try:
-            sink.comm(t, first[0], end, first[3][1][0], seq, comm, n, first[2].rank, last[2].rank,
-                      (last[0] - first[0]) // 1000, not complete, nunf)
-            m.stats["slices"] += 1
-        except _SINK_ERRORS:
-            m.stats["bad_events"] += 1
+        return end, written, nunf
 
     def evict_open(self, now: int) -> None:
         key = next(iter(self.open))

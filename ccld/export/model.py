@@ -31,6 +31,7 @@ from ccld.export.collectives import MAX_OPEN, Collectives, GROUP_WAIT_S
 from ccld.export.netcounters import NetCounters
 from ccld.export.tracks import Lanes, Proc, Track
 
+_PID_MAX = 1 << 22         # Linux's largest pid_max: the trace's own pids for clashes go above it
 REORDER_S = 1.0           # instants and counters are sorted within this window of recorded time
 REORDER_MAX = 100_000     # ... holding at most this many
 MAX_PENDING_NO_CLOCK = 100_000  # events held until their agent's first clock sample (as the timeline does)
@@ -86,8 +87,12 @@ class TraceModel:
     def proc_track(self, p: Proc) -> Track:
         if p.track is None:
             pid = p.pid
-            while pid in self.used_pids or pid <= 0:  # same pid on two nodes: Perfetto would merge them
-                pid += 1 << 22                          # above Linux's pid_max; the name keeps the real pid
+            if not 0 < pid < _PID_MAX:  # not a Linux pid (a damaged store): Perfetto's pid is an int32
+                pid = _PID_MAX
+            while pid in self.used_pids:  # same pid on two nodes: Perfetto would merge them
+                pid += _PID_MAX             # above Linux's pid_max; the name keeps the real pid
+                if pid >= 1 << 31:
+                    pid = pid % _PID_MAX + 1
             self.used_pids.add(pid)
             who = f"rank {p.rank}" if p.rank >= 0 else "unknown rank"
             name = f"{who} ({p.node}, pid {p.pid})" if p.pid > 0 else f"{who} (not seen by any agent)"
