@@ -1,30 +1,24 @@
 """The agent's spool: every frame the shipper makes waits here until the collector acknowledges it.
 
-A bounded FIFO of encoded frames, on disk (a directory of segment files) or, with no directory or
-after a disk error, in memory (a smaller bound). The shipper's sender thread is its only user, never
-the probe path: frames are appended in batch order, sent from a cursor, released once acknowledged
-(or once sent, while the collector does not acknowledge), and the cursor goes back to the oldest
-unacknowledged frame to replay them after a collector restart.
-
-Layout of a spool directory (owner-only; one agent at a time):
-    spool.lock              flock()ed by the agent using it (its pid inside); the kernel frees it
-    spool.json              {"format": "ccld-spool", "version": 1, "collector": ENDPOINT}
-    frames-00000001.spool   records back to back; a new file every segment_bytes and at every start
-A record, big-endian: magic c1 cc 5b 01, u32 crc32 of everything after this field, u32 frame length,
-u64 batch, u32 events in the frame, u16 agent id length, the agent id (UTF-8), then the frame exactly
-as sent (events.encode_batch). Records are written, not fsynced: the spool survives a killed agent
-(the page cache has it), not a power cut.
+A bounded FIFO of encoded frames, on disk (a directory of segment files: spool_dir.py, records in
+them: spool_records.py) or, with no directory or after a disk error, in memory (a smaller bound). The
+shipper's sender thread is its only user, never the probe path: frames are appended in batch order,
+sent from a cursor, released once acknowledged (or once sent, while the collector does not
+acknowledge), and the cursor goes back to the oldest unacknowledged frame to replay them after a
+collector restart.
 Bounds: max_bytes of segment files on disk (DEFAULT_MAX_BYTES), MEMORY_BYTES in memory. Overflow
 evicts the oldest segment whole (1/SEGMENTS_PER_BOUND of the bound): its frames that were never sent
 are lost and counted (dropped_frames, dropped_events); those sent but not yet acknowledged are
 counted apart (unacked_evicted_frames: lost only if the collector lost them too).
-Start: an existing spool is read back in order. A damaged record is reported with its segment and
-offset and skipped (reading resumes at the next record that checks out), a torn tail likewise;
-frames spooled for another collector (spool.json) are discarded, said and counted.
+Start: an existing spool is read back in order, damage said and counted (spool_records.py); frames
+spooled for another collector (spool.json) are discarded, said and counted. Every start writes a new
+segment, so a crash loop leaves many: at most two segment files are open at a time (the one being
+written, the one being read back), the others only by name.
 Caveat: a disk error (full, read-only, removed) switches to memory for the rest of the run, said once;
 frames already on disk are still sent from there, and while they are the oldest, a frame that finds
 memory full is dropped (evicting them would free no memory). A frame that cannot be read back from
-its segment (truncated under us) is dropped, counted once, and let go without waiting for an ack.
+its segment (truncated or removed under us) is dropped, counted once, and let go without waiting for
+an ack.
 """
 from __future__ import annotations
 
@@ -32,16 +26,14 @@ import array
 import bisect
 import collections
 import errno
-import fcntl
-import json
 import logging
 import os
-import re
-import stat
-import struct
-import tempfile
-import zlib
 from typing import Callable, Deque, Dict, List, Optional, Tuple
+
+from ccld.tracer import spool_records as records
+from ccld.tracer.spool_dir import META_FILE, SpoolDir, default_dir
+
+__all__ = ["DEFAULT_MAX_BYTES", "MEMORY_BYTES", "Spool", "default_dir"]  # default_dir: re-exported, for `ccld agent`
 
 log = logging.getLogger("ccld.spool")
 
@@ -53,33 +45,13 @@ MIN_SEGMENT_BYTES = 4096
 TAIL_CACHE_FRAMES = 256                # frames just written, kept to be sent without reading them back
 TAIL_CACHE_BYTES = 8 * 1024 * 1024
 PROBLEMS_SAID = 8                      # damaged regions said one by one at start; the rest are counted
-# The collector acknowledges agent ids of up to 256 characters (acks.MAX_AGENT_ID): up to 4 bytes each in
-# UTF-8. A longer id is cut at a character (it gets no acknowledgement anyway): cut inside one, its records
-# would read back as damage.
-MAX_AGENT_ID_BYTES = 1024
-MAX_RECORD_FRAME = 64 * 1024 * 1024    # sanity bound when reading back: a larger length is damage
 LOST_BATCH = 0                         # batches count from 1: 0 marks a frame that could not be read back
-MAGIC = b"\xc1\xcc\x5b\x01"            # 0xc1 is never a MessagePack type byte, as in the store
-HEAD = struct.Struct(">4sIIQIH")       # magic, crc, frame length, batch, events, agent id length
-LOCK_FILE, META_FILE = "spool.lock", "spool.json"
-_SEGMENT_RE = re.compile(r"^frames-(\d{8,})\.spool$")
-
-
-def default_dir(node: str) -> str:
-    """Where `ccld agent` spools by default: /var/lib/ccld/spool/NODE as root, else under the temp dir."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "node"
-    if os.geteuid() == 0:
-        return os.path.join("/var/lib/ccld/spool", safe)
-    return os.path.join(tempfile.gettempdir(), f"ccld-spool-{os.geteuid()}", safe)
-
-
-def segment_name(no: int) -> str:
-    return f"frames-{no:08d}.spool"
 
 
 class _Seg:
-    """One segment: frames at global positions [start, start + len). On disk (fd, offsets of the frame
-    bytes) or in memory (data). Agents come in runs: run_starts[k] is the first local index of run k."""
+    """One segment: frames at global positions [start, start + len). On disk (path, offsets of the frame
+    bytes; fd only while it is written or read back) or in memory (data). Agents come in runs:
+    run_starts[k] is the first local index of run k."""
     __slots__ = ("no", "path", "fd", "start", "offsets", "lengths", "batches", "events", "run_starts",
                  "run_agents", "data", "size")
 
@@ -133,7 +105,8 @@ class Spool:
         self._acked: Dict[int, int] = {}  # agent index -> every batch <= this is acknowledged
         self._tail: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()
         self._tail_bytes = 0
-        self._lock_fd: Optional[int] = None
+        self._dir: Optional[SpoolDir] = None
+        self._reading: Optional[_Seg] = None  # the disk segment, other than _cur, open to be read back
         self.disk_bytes = 0
         self.mem_bytes = 0
         # counters (cumulative)
@@ -162,49 +135,22 @@ class Spool:
         return self
 
     def _open_dir(self) -> None:
-        d = self.directory
-        os.makedirs(os.path.dirname(d), mode=0o700, exist_ok=True)
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass
-        st = os.lstat(d)
-        if not stat.S_ISDIR(st.st_mode):
-            raise OSError(errno.ENOTDIR, "not a directory (a symlink is not accepted)")
-        if st.st_uid != os.geteuid():
-            raise OSError(errno.EPERM, f"owned by uid {st.st_uid}, not this user ({os.geteuid()})")
-        if st.st_mode & 0o077:
-            os.chmod(d, 0o700)  # frames hold command lines and host names: owner-only
-        fd = os.open(os.path.join(d, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise OSError(errno.EBUSY, f"in use by another agent (pid {holder}); give each agent its "
-                                       "own --spool") from None
-        self._lock_fd = fd
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        try:
-            with open(os.path.join(d, META_FILE)) as f:
-                meta = json.load(f)
-        except (OSError, ValueError):
-            meta = {}
-        found = sorted((int(m.group(1)), os.path.join(d, n)) for n in os.listdir(d)
-                       for m in [_SEGMENT_RE.match(n)] if m)
-        other = meta.get("collector") if isinstance(meta, dict) else None
+        d = self._dir = SpoolDir(self.directory)
+        d.take()
+        meta = d.read_meta()
+        found = d.segments()
+        other = meta.get("collector")
         if found and other is not None and other != self.collector:
             n = sum(self._read_segment(no, path, keep=False) for no, path in found)
             for _, path in found:
                 os.unlink(path)
             self.discarded_frames += n
-            self.say(f"ccld: spool {d} held {n} frames for collector {other}, not {self.collector}: "
+            self.say(f"ccld: spool {d.path} held {n} frames for collector {other}, not {self.collector}: "
                      "discarded (counted as spool_discarded_frames)")
         else:
             for no, path in found:
                 self._read_segment(no, path, keep=True)
-            acked = meta.get("acked") if isinstance(meta, dict) else None
+            acked = meta.get("acked")
             for agent, upto in (acked.items() if isinstance(acked, dict) else ()):
                 if agent in self._agent_no and type(upto) is int:
                     self._acked[self._agent_no[agent]] = upto  # acknowledged before a clean stop
@@ -215,51 +161,27 @@ class Spool:
         self._write_meta()
         self.on_disk = True
         if self.restored_frames:
-            self.say(f"ccld: spool {d}: {self.restored_frames} frames from an earlier run, to be sent first")
+            self.say(f"ccld: spool {d.path}: {self.restored_frames} frames from an earlier run, to be sent first")
 
     def _write_meta(self) -> None:
         """spool.json: whose frames these are, and (at a clean stop) what the collector acknowledged,
         so the next start does not send those again (after a killed agent, the collector drops them)."""
         acked = {self._agents[k]: v for k, v in self._acked.items() if self.held()}
-        tmp = os.path.join(self.directory, META_FILE + ".tmp")
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({"format": "ccld-spool", "version": 1, "collector": self.collector, "acked": acked}, f)
-        os.replace(tmp, os.path.join(self.directory, META_FILE))
+        self._dir.write_meta(self.collector, acked)
 
     def _read_segment(self, no: int, path: str, keep: bool) -> int:
-        """Index the good records of one segment file (keep: as a segment of this spool); returns
-        how many. Damage is said (the first PROBLEMS_SAID) and counted, never fatal."""
-        name = os.path.basename(path)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            self._problem(f"ccld: spool {name}: cannot be read, skipped: {e}", 0)
-            return 0
+        """Index the good records of one segment file (keep: as a segment of this spool, not held open);
+        returns how many. Damage is said (the first PROBLEMS_SAID) and counted, never fatal."""
+        found, size = records.read_segment(path, self._problem)
         seg = _Seg(no, self.end, path)
-        off, end = 0, len(data)
-        while off < end:
-            got = _check(data, off, end)
-            if isinstance(got, tuple):
-                agent, batch, events, frame_off, n = got
-                seg.add(self._agent_index(agent), batch, events, frame_off, n)
-                off = frame_off + n
-                continue
-            nxt = _resync(data, off + 1, end)
-            if nxt is None:
-                self._problem(f"ccld: spool {name}: torn tail at offset {off} ({end - off} bytes, {got}); "
-                              f"kept the {len(seg)} records before it", end - off)
-                break
-            self._problem(f"ccld: spool {name}: damaged record at offset {off} ({got}); skipped {nxt - off} "
-                          f"bytes, resumed at offset {nxt}", nxt - off)
-            off = nxt
+        for r in found:
+            seg.add(self._agent_index(r.agent), r.batch, r.events, r.offset, r.length)
         if not keep or not len(seg):
             if keep:
                 os.unlink(path)
             return len(seg)
-        seg.fd = os.open(path, os.O_RDONLY)
-        seg.size = end
-        self.disk_bytes += end
+        seg.size = size
+        self.disk_bytes += size
         self._segs.append(seg)
         self.end += len(seg)
         return len(seg)
@@ -282,7 +204,7 @@ class Spool:
                 self.dropped_frames += len(seg) - a
                 self.dropped_events += sum(seg.events[a:])
         everything_released = self.head >= self.end
-        if self.on_disk and self._lock_fd is not None:
+        if self.on_disk and self._dir is not None and self._dir.lock_fd is not None:
             try:
                 self._write_meta()
             except OSError as e:
@@ -295,9 +217,8 @@ class Spool:
         self._release_lock()
 
     def _release_lock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._dir is not None:
+            self._dir.release()
 
     # ---- the FIFO ----------------------------------------------------------------------------------
 
@@ -311,11 +232,9 @@ class Spool:
     def append(self, agent: str, batch: int, events: int, frame: bytes) -> None:
         """Add one frame (never raises: a disk error moves the spool to memory; no room, the oldest go,
         or this one, when the oldest are on disk and memory is full)."""
-        agent_b = agent.encode()
-        if len(agent_b) > MAX_AGENT_ID_BYTES:
-            agent_b = agent_b[:MAX_AGENT_ID_BYTES].decode(errors="ignore").encode()
+        agent_b = records.agent_bytes(agent)
         disk = self.on_disk
-        size = HEAD.size + len(agent_b) + len(frame) if disk else len(frame)
+        size = records.record_size(agent_b, frame) if disk else len(frame)
         limit = self.max_bytes if disk else self.memory_bytes
         if size > limit:
             self.dropped_frames += 1  # bigger than the whole spool: cannot be kept
@@ -352,17 +271,15 @@ class Spool:
         return max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, limit // SEGMENTS_PER_BOUND))
 
     def _append_disk(self, agent: str, agent_b: bytes, batch: int, events: int, frame: bytes) -> None:
-        size = HEAD.size + len(agent_b) + len(frame)
+        size = records.record_size(agent_b, frame)
         seg = self._cur
         if seg is None or seg.data is not None or (seg.size and seg.size + size > self._segment_bytes(self.max_bytes)):
-            path = os.path.join(self.directory, segment_name(self._next_no))
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+            self._end_cur()
+            path, fd = self._dir.create_segment(self._next_no)
             self._next_no += 1
             seg = self._cur = _Seg(self._next_no - 1, self.end, path, fd)
             self._segs.append(seg)
-        rest = HEAD.pack(MAGIC, 0, len(frame), batch, events, len(agent_b))[8:] + agent_b
-        crc = zlib.crc32(frame, zlib.crc32(rest))
-        rec = MAGIC + crc.to_bytes(4, "big") + rest + frame
+        rec = records.encode(agent_b, batch, events, frame)
         done = 0
         try:
             while done < len(rec):
@@ -374,7 +291,7 @@ class Spool:
             seg.size += done
             self.disk_bytes += done
             if done < len(rec):
-                self._cur = None  # a torn record: nothing more goes into this file (a restart skips it)
+                self._end_cur()  # a torn record: nothing more goes into this file (a restart skips it)
         seg.add(self._agent_index(agent), batch, events, seg.size - len(frame), len(frame))
         self.end += 1
         self._tail[self.end - 1] = frame
@@ -382,9 +299,15 @@ class Spool:
         while len(self._tail) > TAIL_CACHE_FRAMES or self._tail_bytes > TAIL_CACHE_BYTES:
             self._tail_bytes -= len(self._tail.popitem(last=False)[1])
 
+    def _end_cur(self) -> None:
+        """Append no more to the current segment; on disk, let go of its fd (it is read back by name)."""
+        seg, self._cur = self._cur, None
+        if seg is not None and seg.data is None:
+            self._close_fd(seg)
+
     def _to_memory(self, why: str) -> None:
         if self._cur is not None and self._cur.data is None:
-            self._cur = None
+            self._end_cur()
         self.on_disk = False
         self.say(f"ccld: warning: {why}; keeping unacknowledged frames in memory instead "
                  f"(up to {self.memory_bytes / 2**20:.0f} MiB)")
@@ -408,7 +331,7 @@ class Spool:
                     continue
                 else:
                     try:
-                        frame = os.pread(seg.fd, seg.lengths[i], seg.offsets[i])
+                        frame = os.pread(self._reader(seg), seg.lengths[i], seg.offsets[i])
                         if len(frame) != seg.lengths[i]:
                             raise OSError(errno.EIO, f"short read ({len(frame)} of {seg.lengths[i]} bytes)")
                     except OSError as e:  # the file was truncated or removed under us: that frame is lost
@@ -423,6 +346,16 @@ class Spool:
                         continue
             return frame, seg.events[i]
         return None
+
+    def _reader(self, seg: _Seg) -> int:
+        """An fd to read `seg` back with: its own while it is written, else one opened for it, closing
+        the last one opened (a replay reads segments in order: one open each)."""
+        if seg.fd is None:
+            if self._reading is not None:
+                self._close_fd(self._reading)
+            seg.fd = os.open(seg.path, os.O_RDONLY)
+            self._reading = seg
+        return seg.fd
 
     def sent(self) -> bool:
         """The frame at the cursor went out; True when it had been sent before (a replay)."""
@@ -503,14 +436,20 @@ class Spool:
             seg.data = []
             return
         self.disk_bytes -= seg.size
-        if seg.fd is not None:
-            os.close(seg.fd)
-            seg.fd = None
+        self._close_fd(seg)
         if unlink:
             try:
                 os.unlink(seg.path)
             except OSError as e:
                 log.warning("spool: cannot remove %s: %s", seg.path, e)
+
+    def _close_fd(self, seg: _Seg) -> None:
+        """Let go of a disk segment's fd (appending or reading); it stays held, by name."""
+        if seg is self._reading:
+            self._reading = None
+        if seg.fd is not None:
+            os.close(seg.fd)
+            seg.fd = None
 
     # ---- what is held ------------------------------------------------------------------------------
 
@@ -555,35 +494,3 @@ class Spool:
         if self.on_disk:
             return f"spool {self.directory} ({self.max_bytes / 2**20:g} MiB)"
         return f"spool in memory ({self.memory_bytes / 2**20:g} MiB)"
-
-
-def _check(data: bytes, off: int, end: int):
-    """(agent, batch, events, frame offset, frame length) when a good record starts at `off`, else why not."""
-    if end - off < HEAD.size:
-        return "short header"
-    magic, crc, n, batch, events, alen = HEAD.unpack_from(data, off)
-    if magic != MAGIC:
-        return "no record marker"
-    if n > MAX_RECORD_FRAME or alen > MAX_AGENT_ID_BYTES:
-        return f"impossible length {n}"
-    frame_off = off + HEAD.size + alen
-    if frame_off + n > end:
-        return f"length {n} runs past the end"
-    mv = memoryview(data)
-    if zlib.crc32(mv[off + 8:frame_off + n]) != crc:
-        return "checksum mismatch"
-    try:
-        agent = bytes(mv[off + HEAD.size:frame_off]).decode()
-    except UnicodeDecodeError:
-        return "agent id is not UTF-8"
-    return agent, batch, events, frame_off, n
-
-
-def _resync(data: bytes, start: int, end: int) -> Optional[int]:
-    """Offset of the next good record at or after `start`, or None."""
-    pos = data.find(MAGIC, start)
-    while pos != -1:
-        if isinstance(_check(data, pos, end), tuple):
-            return pos
-        pos = data.find(MAGIC, pos + 1)
-    return None

@@ -1,7 +1,9 @@
-"""The agent's spool (ccld/tracer/spool.py): order, bounds, acknowledged release, replay, and reading
-back a spool left by an earlier run, damaged or not. Real files in tmp_path; no sockets."""
+"""The agent's spool (ccld/tracer/spool.py, spool_dir.py, spool_records.py): order, bounds,
+acknowledged release, replay, reading back a spool left by an earlier run, damaged or not, and the
+files it holds open. Real files in tmp_path; no sockets."""
 import errno
 import os
+import resource
 
 import pytest
 
@@ -42,6 +44,10 @@ def drain(s):
 
 def segments(d):
     return sorted(n for n in os.listdir(d) if n.endswith(".spool"))
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
 
 
 @pytest.mark.parametrize("where", ["disk", "memory"])
@@ -112,9 +118,11 @@ def kill(s):
 @pytest.mark.parametrize("how", ["stopped", "killed"])
 def test_a_restart_reads_the_spool_back_in_order_and_replays_it(tmp_path, how):
     d = tmp_path / "spool"
+    base = open_fds()
     s = open_spool(d, max_bytes=16 * 4096)  # small segments: the frames span several files
     s.retain = True
     fill(s, range(1, 41), pad=300)
+    assert open_fds() - base <= 2  # the lock and the segment being written, not the ones before it
     assert drain(s)[:5] == [1, 2, 3, 4, 5]
     s.ack("a1", 5)       # 35 frames not acknowledged when the agent ends
     s.close() if how == "stopped" else kill(s)
@@ -308,3 +316,39 @@ def test_a_long_non_ascii_agent_id_reads_back_whole(tmp_path):
     s2.ack(agent, 3)
     assert s2.held() == 0
     s2.close()
+
+
+def test_a_crash_loop_holds_no_file_open_per_old_segment(tmp_path):
+    """Every start writes a new segment, so an agent killed and restarted 250 times finds 250 of them.
+    Only the lock, the segment being written and the one being read may hold a file descriptor open:
+    with one per old segment, a 256-fd limit ran out and the spool fell back to memory."""
+    restarts = 250
+    d = tmp_path / "spool"
+    base = open_fds()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(base + 64, hard), hard))  # far fewer than 250 spare
+    try:
+        for i in range(1, restarts + 1):
+            lines = []
+            s = open_spool(d, lines)
+            assert s.on_disk and s.restored_frames == i - 1, lines
+            fill(s, [i])
+            assert open_fds() - base <= 2  # the lock, the segment being written
+            kill(s)
+        assert len(segments(d)) == restarts
+        s = open_spool(d)
+        s.retain = True
+        got, most = [], 0
+        while (f := s.peek()) is not None:  # a replay reads back every old segment, one at a time
+            got.append(ev.decode_batch(f[0]).batch)
+            s.sent()
+            most = max(most, open_fds() - base)
+        assert got == list(range(1, restarts + 1)) and most <= 2  # the lock, the segment being read
+        fill(s, [restarts + 1])
+        assert open_fds() - base <= 3  # ... and the one being written
+        s.ack("a1", restarts + 1)
+        assert s.held() == 0
+        s.close()
+        assert open_fds() == base and segments(d) == []
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
