@@ -240,11 +240,10 @@ class Agent:
                 self._stop.wait(POLL_MS / 1000)
 
     def _candidates(self) -> Set[int]:
-        pids = discover.all_pids()
         if self.discover_all:
-            return set(pids)
+            return set(discover.all_pids())
         roots = ([self.root_pid] if self.root_pid is not None else []) + list(self.pids)
-        return set(self.pids) | self._tree.descendants(roots, pids)
+        return set(self.pids) | self._tree.descendants(roots, discover.list_pids())
 
     def _scan(self, now: float) -> None:
         cands = self._candidates()

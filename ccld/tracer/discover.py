@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from ccld.tracer.procstate import read_stat
 
@@ -119,32 +119,53 @@ def _below(children: Dict[int, List[int]], roots: Iterable[int]) -> Set[int]:
     return out
 
 
+def list_pids(proc: str = "/proc") -> Dict[int, int]:
+    """pid -> inode number of PROC/PID, for every process now: one directory read, no stat call (the
+    kernel gives each /proc/PID inode a fresh number, so a pid taken by a new process shows a new one)."""
+    with os.scandir(proc) as it:
+        return {int(d.name): d.inode() for d in it if d.name.isdigit()}
+
+
 class ProcTree:
-    """descendants() for an agent that asks every scan: each process's parent is read from /proc once,
-    when its pid first shows up, not on every scan (a full read of every /proc/PID/stat of a busy node
-    was a quarter of the agent's CPU). Pids gone from /proc are forgotten at the next scan.
+    """descendants() for an agent that asks every scan: each process's parent and start time are read
+    from PROC/PID/stat once, when its pid first shows up, not on every scan (a full read of every
+    /proc/PID/stat of a busy node was a quarter of the agent's CPU). Pids gone from /proc are forgotten
+    at the next scan.
+    Pid reuse: a pid whose /proc inode number changed (list_pids) is read again, so a new process that
+    took a dead one's pid between two scans gets its own parent, not the dead one's; if the start time
+    read is the old one, it is the same process (procfs made a new inode) and keeps its first parent.
+    And a process is a child of the process now holding its (first) parent's pid only if that one
+    started no later: a child never predates its parent, so an orphan whose dead parent's pid went to
+    a new process is not that new process's child.
     Caveat: a process reparented after its parent died keeps counting as that parent's descendant
-    (for a job's ranks, what one wants), and a pid reused within one scan interval keeps its old
-    parent until it is seen gone; pid numbers wrap after pid_max (4M), so that needs millions of
-    process starts in a scan interval."""
+    while that parent is a root (for a job's ranks, what one wants). Roots are pids: a dead root's pid
+    taken by a new process makes that process's children descendants (the caller names roots)."""
 
-    def __init__(self) -> None:
-        self._ppid: Dict[int, int] = {}
+    def __init__(self, proc: str = "/proc") -> None:
+        self.proc = proc
+        self._known: Dict[int, Tuple[int, int, int]] = {}  # pid -> (inode, start ticks, first parent)
 
-    def descendants(self, roots: Iterable[int], pids: Iterable[int]) -> Set[int]:
-        """Every live process below any of `roots` (roots themselves excluded), `pids` being /proc now."""
-        live = set(pids)
-        for gone in self._ppid.keys() - live:
-            del self._ppid[gone]
+    def descendants(self, roots: Iterable[int], pids: Mapping[int, int]) -> Set[int]:
+        """Every live process below any of `roots` (roots themselves excluded), `pids` being
+        list_pids(self.proc) now."""
+        known = self._known
+        for gone in known.keys() - pids.keys():
+            del known[gone]
+        for pid, ino in pids.items():
+            k = known.get(pid)
+            if k is None or k[0] != ino:
+                st = read_stat(pid, self.proc)
+                if st is None:
+                    known.pop(pid, None)  # gone while we looked: try again next scan
+                elif k is not None and k[1] == st.starttime:
+                    known[pid] = (ino, k[1], k[2])  # the same process under a new inode
+                else:
+                    known[pid] = (ino, st.starttime, st.ppid)
         children: Dict[int, List[int]] = {}
-        ppid = self._ppid
-        for pid in live:
-            parent = ppid.get(pid)
-            if parent is None:
-                parent = ppid[pid] = ppid_of(pid)
-                if parent < 0:
-                    del ppid[pid]  # gone while we looked: try again next scan
-            children.setdefault(parent, []).append(pid)
+        for pid, (_, start, ppid) in known.items():
+            parent = known.get(ppid)
+            if parent is None or parent[1] <= start:
+                children.setdefault(ppid, []).append(pid)
         return _below(children, roots)
 
 

@@ -38,6 +38,7 @@ class Stat:
     ppid: int     # field 4
     utime: int    # field 14, clock ticks
     stime: int    # field 15, clock ticks
+    starttime: int = 0  # field 22, clock ticks after boot: with the pid, names one process (pids are reused)
 
 
 def parse_stat(raw: bytes, source: str) -> Stat:
@@ -63,12 +64,13 @@ def parse_stat(raw: bytes, source: str) -> Stat:
     if len(state) != 1 or not state.isalpha():
         raise ProcParseError(f"{source}: field 3 (state) is {state[:40]!r}, not a state letter")
     return Stat(comm=comm, state=state.decode(), ppid=number(4, "ppid"), utime=number(14, "utime"),
-                stime=number(15, "stime"))
+                stime=number(15, "stime"), starttime=number(22, "starttime"))
 
 
-def read_stat(pid: int) -> Optional[Stat]:
-    """/proc/PID/stat parsed, or None when the process is gone (or its stat cannot be parsed: logged)."""
-    source = f"/proc/{pid}/stat"
+def read_stat(pid: int, proc: str = "/proc") -> Optional[Stat]:
+    """PROC/PID/stat parsed, or None when the process is gone (or its stat cannot be parsed: logged).
+    `proc`: where procfs is mounted (a fake tree in tests)."""
+    source = f"{proc}/{pid}/stat"
     try:
         with open(source, "rb") as f:
             raw = f.read()
