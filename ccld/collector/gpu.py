@@ -2,20 +2,14 @@
 
 A CollEnter says thread `tid` of a rank called collective (comm, seq) at `ts_ns`; a GpuKernel says
 an NCCL kernel ran from `ts_ns` to `end_ns` and was launched by thread `launch_tid` at `launch_ns`
-(all node-monotonic ns of the same node, so they compare without clock conversion). NCCL launches
-a collective's kernel inside the call, or at ncclGroupEnd for calls made in a group, always in the
-calling thread. So an enter belongs to the EARLIEST kernel, launched by the same thread at or after
-it, for the same communicator. That rule does not depend on arrival order: a kernel that arrives
-late takes back the enters a later kernel had claimed. Calls grouped into one kernel (coalesced)
-all get that kernel's times.
-
-Which communicator a kernel serves: the stream it ran on, once learned (torch gives each process
-group its own NCCL stream); else the op parsed from its name; else the communicator of the oldest
-unclaimed enter. A stream is learned from kernels whose candidate enters are all of one
-communicator. A kernel without a launch record joins the oldest unclaimed enter of its stream's
-communicator (stream order). A kernel that comes before its enter (BPF records wait up to a poll
-period in the kernel) waits, bounded, and is retried when an enter of its thread arrives. P2P
-kernels (SendRecv) are not joined (P2P events carry no seq).
+(all node-monotonic ns of the same node, so they compare without clock conversion). The join rule
+(which calls a kernel ran, which communicator its stream serves, stream order for a kernel without a
+launch record) is ccld/gpujoin.py, shared with the trace export. Here, live, an enter belongs to the
+EARLIEST kernel launched by the same thread at or after it, for the same communicator, whatever the
+arrival order: a kernel that arrives late takes back the enters a later kernel had claimed. Calls
+grouped into one kernel (coalesced) all get that kernel's times. A kernel that comes before its
+enter (BPF records wait up to a poll period in the kernel) waits, bounded, and is retried when an
+enter of its thread arrives. P2P kernels (SendRecv) are not joined (P2P events carry no seq).
 
 Caveat: when CUPTI drops a kernel's record (counted in GpuLoss), the next kernel on that thread
 and communicator claims its enters too, as if they had been grouped. Times written to CollView are
@@ -29,14 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ccld import events as ev
+from ccld import gpujoin
+from ccld.gpujoin import MAX_LAUNCH_LAG_NS
 
 GPU_EVENTS = (ev.GpuKernel, ev.GpuMemop, ev.GpuLoss)
-MAX_LAUNCH_LAG_NS = 10_000_000_000  # enter -> launch; more is a stalled launch queue or another call
 KEEP_NS = 120_000_000_000           # enters older than this behind a thread's newest are forgotten
 MAX_ENTERS_PER_THREAD = 8192        # ~minutes of a fast job's collectives on one thread
 MAX_PROCS = 100_000                 # like timeline.MAX_RANKS
 MAX_WAITING = 1024                  # kernels per thread that came before their enter (BPF drains later)
-AMBIGUOUS = ""                      # a stream seen serving two communicators: never used to choose
 
 
 @dataclass
@@ -48,6 +42,10 @@ class Enter:
     rank: int
     launch: Optional[int] = None    # launch_ns of the kernel that claimed it (GPU start if by stream order)
     kernel: Optional[Tuple[str, ev.GpuKernel]] = None  # (agent, kernel) that claimed it
+
+    @property
+    def claimed(self) -> bool:
+        return self.launch is not None
 
 
 @dataclass
@@ -153,22 +151,15 @@ class GpuJoin:
             return
         enters = proc.enters[k.launch_tid]
         cands = enters[bisect.bisect_left(ts, k.launch_ns - MAX_LAUNCH_LAG_NS):bisect.bisect_right(ts, k.launch_ns)]
-        key = (k.device, k.stream)
-        comm = proc.stream_comm.get(key) or None
-        if comm is not None:
-            cands = [c for c in cands if c.comm == comm]
-        elif k.op:
-            cands = [c for c in cands if c.op == k.op] or cands
-        open_ = [c for c in cands if c.launch is None or c.launch > k.launch_ns
-                 or (c.kernel is not None and c.kernel[1] is k)]
-        if not open_:
+        # open: unclaimed, or claimed by a later launch (this kernel arrived late), or by this kernel
+        chosen, ambiguous = gpujoin.choose(
+            cands, proc.stream_comm, (k.device, k.stream), k.op,
+            lambda c: c.launch is None or c.launch > k.launch_ns or (c.kernel is not None and c.kernel[1] is k))
+        if not chosen:
             self._wait(node, agent, k)
             return
-        if comm is None:
-            comm = open_[0].comm
-            if all(c.comm == comm for c in open_):
-                self._learn(proc, key, comm)
-        chosen = [c for c in open_ if c.comm == comm]
+        if ambiguous:
+            self.status["ambiguous-streams"] += 1
         robbed = []
         for c in chosen:
             if c.kernel is not None and c.kernel[1] is not k:
@@ -185,28 +176,15 @@ class GpuJoin:
 
     def _by_stream_order(self, agent: str, node: str, k: ev.GpuKernel) -> None:
         proc = self.procs.get((node, k.pid))
-        comm = proc.stream_comm.get((k.device, k.stream)) if proc is not None else None
-        q = proc.by_comm.get(comm) if comm else None
-        if not q:
-            self.status["unjoined-no-launch"] += 1  # neither a launch record nor a known stream
+        c = None
+        if proc is not None:
+            c = gpujoin.by_stream_order(proc.by_comm, proc.stream_comm.get((k.device, k.stream)), k.ts_ns)
+        if c is None:
+            self.status["unjoined-no-launch"] += 1  # neither a launch record nor a known stream, or no call
             return
-        while q and q[0].launch is not None:
-            q.popleft()  # claimed already: stream order continues after them
-        if q and q[0].ts <= k.ts_ns:
-            c = q.popleft()
-            c.launch, c.kernel = k.ts_ns, (agent, k)  # a kernel launched before its GPU start may still take it
-            self._record(agent, c, k)
-            self.status["joined-by-stream-order"] += 1
-            return
-        self.status["unjoined-no-launch"] += 1
-
-    def _learn(self, proc: Proc, key: Tuple[int, int], comm: str) -> None:
-        old = proc.stream_comm.get(key)
-        if old is None:
-            proc.stream_comm[key] = comm
-        elif old != comm and old != AMBIGUOUS:
-            proc.stream_comm[key] = AMBIGUOUS
-            self.status["ambiguous-streams"] += 1
+        c.launch, c.kernel = k.ts_ns, (agent, k)  # a kernel launched before its GPU start may still take it
+        self._record(agent, c, k)
+        self.status["joined-by-stream-order"] += 1
 
     def _record(self, agent: str, c: Enter, k: ev.GpuKernel) -> None:
         view = self._view(c.comm, c.seq)

@@ -2,7 +2,7 @@
 each rank's process track, a slice per kernel and per memcpy/memset, and a flow from a rank's collective
 slice to the NCCL kernel that ran it.
 
-Join: the collector's rule (collector/gpu.py), applied as the trace is written: an NCCL kernel launched
+Join: the collector's rule (ccld/gpujoin.py), applied as the trace is written: an NCCL kernel launched
 by thread T at L runs the collectives T entered at or before L (within MAX_LAUNCH_LAG_NS) not yet run by
 an earlier kernel, of the communicator its stream serves (learned from kernels whose candidates are all
 of one communicator), else of its op, else of the oldest candidate; several (a group) -> one kernel.
@@ -23,8 +23,9 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
 
-from ccld.collector.gpu import AMBIGUOUS, MAX_LAUNCH_LAG_NS
+from ccld import gpujoin
 from ccld.export.tracks import Lanes, Proc
+from ccld.gpujoin import MAX_LAUNCH_LAG_NS
 
 if TYPE_CHECKING:
     from ccld.export.model import TraceModel
@@ -184,7 +185,6 @@ def emit(m: "TraceModel", b: int, p: Proc, name: str, payload: tuple) -> None:
 def _join(m: "TraceModel", g: GpuProc, key: Tuple[int, int], raw: int, tid: int, launch: int,
           op: str) -> Optional[List[KEnter]]:
     """The enters (one, or a group's) an NCCL kernel ran; marks them claimed."""
-    comm = g.stream_comm.get(key) or None
     if tid > 0 and launch > 0:
         q = g.threads.get(tid)
         if not q:
@@ -198,28 +198,14 @@ def _join(m: "TraceModel", g: GpuProc, key: Tuple[int, int], raw: int, tid: int,
                 break
             if not c.claimed:
                 cands.append(c)
-        if comm is not None:
-            cands = [c for c in cands if c.comm == comm]
-        elif op:
-            cands = [c for c in cands if c.op == op] or cands
-        if not cands:
+        chosen, _ = gpujoin.choose(cands, g.stream_comm, key, op)
+        if not chosen:
             return None
-        if comm is None:
-            comm = cands[0].comm
-            if all(c.comm == comm for c in cands):
-                old = g.stream_comm.get(key)
-                if old is None:
-                    g.stream_comm[key] = comm
-                elif old != comm:
-                    g.stream_comm[key] = AMBIGUOUS
-        chosen = [c for c in cands if c.comm == comm]
     else:
-        q = g.by_comm.get(comm) if comm else None
-        while q and q[0].claimed:
-            q.popleft()
-        if not q or q[0].ts > raw:
+        first = gpujoin.by_stream_order(g.by_comm, g.stream_comm.get(key), raw)
+        if first is None:
             return None
-        chosen = [q.popleft()]
+        chosen = [first]
     for c in chosen:
         c.claimed = True
     return chosen
