@@ -7,11 +7,12 @@ a few send/recv, and the clock sample. Stores come in two shapes: "blocks", as a
 schema 1.4 (coll/start/end as column blocks), and "maps", every event a map (schema <= 1.3, and what
 an agent with columns=False sends). Every run is a child process of its own, so its peak RSS
 (ru_maxrss from wait4) and its CPU time (user + system) are that run's alone. Runs: `decode`
-(MessagePack decoding of the store alone), `model` (the trace model with a sink that writes nothing:
-decoding, clock conversion, matching), `perfetto` (the writer, findings skipped), `json` (Chrome JSON),
-and `perfetto+findings` (as `ccld export` runs by default: the store is replayed through the detectors
-for findings first). model - decode and perfetto - model split the writer's time into matching and
-encoding.
+(MessagePack decoding of the store alone), `perfetto` (the writer, findings skipped, with the C
+accelerator ccld/export/_hotpath.c when built), `perfetto-python` (the same with CCLD_PURE_PYTHON=1:
+the Python loops alone, so the accelerator's gain is a ratio of one run), `json` (Chrome JSON), and
+`perfetto+findings` (as `ccld export` runs by default: the store is replayed through the detectors for
+findings first); on request `model` (the trace model with a sink that writes nothing; with the
+accelerator its per-rank calls into that sink are Python calls, so it is no longer a lower bound).
 Units: events read from the store per second of wall time and per CPU-second (the box is shared:
 CPU time is the steadier figure), MiB (2^20 bytes). Stores and traces are deleted afterwards.
 Caveat: on a shared machine the figures move by ~1.5x from run to run.
@@ -124,6 +125,9 @@ CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 mode, store, out = sys.argv[2:5]
+import msgpack, ccld.export.perfetto, ccld.export.chrome, ccld.export.model  # imports are not the export's rate
+from perfetto.protos.perfetto.trace import perfetto_trace_pb2
+from ccld.export import accel
 t0, c0 = time.monotonic(), time.process_time()  # the run's own time: not the interpreter's start
 if mode == "decode":
     import msgpack
@@ -145,21 +149,24 @@ else:
     from ccld.export import export_trace
     stats = export_trace(store, out, "json" if mode == "json" else "perfetto",
                          findings=None if mode == "perfetto+findings" else [])
+    stats["accel"] = accel.hot is not None
 stats["wall_s"] = time.monotonic() - t0
 stats["cpu_s"] = time.process_time() - c0
 if mode == "model":
     stats.pop("bytes", None)
-print(json.dumps({k: stats[k] for k in ("events", "wall_s", "cpu_s", "bytes", "replay_s", "slices", "flows")
+print(json.dumps({k: stats[k] for k in ("events", "wall_s", "cpu_s", "bytes", "replay_s", "slices", "flows", "accel")
                   if k in stats}))
 """
-RUNS = ("decode", "model", "perfetto", "json", "perfetto+findings")
+RUNS = ("decode", "model", "perfetto", "perfetto-python", "json", "perfetto+findings")
+DEFAULT_RUNS = ("decode", "perfetto", "perfetto-python", "json", "perfetto+findings")
 
 
 def run_child(mode: str, store: str, out: str) -> Dict[str, Any]:
     """One run in a child process; {"failed": why} when it fails (the others still run)."""
     with tempfile.TemporaryFile() as err:
-        p = subprocess.Popen([sys.executable, "-c", CHILD, ROOT, mode, store, out], stdout=subprocess.PIPE,
-                             stderr=err)
+        env = dict(os.environ, CCLD_PURE_PYTHON="1" if mode == "perfetto-python" else "")
+        p = subprocess.Popen([sys.executable, "-c", CHILD, ROOT, "perfetto" if mode == "perfetto-python" else mode,
+                              store, out], stdout=subprocess.PIPE, stderr=err, env=env)
         data = p.stdout.read()
         _, status, usage = os.wait4(p.pid, 0)  # not p.wait(): wait4 gives the child's own rusage
         p.returncode = os.waitstatus_to_exitcode(status)
@@ -203,8 +210,10 @@ def report(sizes: List[Dict[str, Any]], command: str) -> str:
         f"per node every {FRAME_S * 1000:.0f} ms; shape `blocks`: coll/start/end as column blocks (schema 1.4, "
         "what agents send now), `maps`: every event a map (stores from before 1.4). Each run is a child "
         "process: events/s = events read / its wall time, events/CPU-s = events read / its CPU time (both "
-        "from the export's start, not the interpreter's); peak = its max RSS. `model`: the trace model with a "
-        "sink that writes nothing.",
+        "from the export's start, after its imports); peak = its max RSS. `perfetto`: with the C accelerator "
+        "(ccld/export/_hotpath.c) " + accel_state(sizes) + "; `perfetto-python`: the same export with "
+        "CCLD_PURE_PYTHON=1 (the Python loops it mirrors; the traces are byte-identical, "
+        "tests/unit/test_export_hotpath.py).",
         "",
         f"Goal: >= {GOAL_EVENTS_S / 1e6:.0f} M events/s written; memory independent of store size.",
         "",
@@ -236,9 +245,13 @@ def report(sizes: List[Dict[str, Any]], command: str) -> str:
                 line += (f"; reading the store alone (`decode`) {da:.0f} -> {db:.0f} MiB (read_store holds one "
                          f"segment, up to 64 MiB); the writer's own share {pa - da:.0f} and {pb - db:.0f} MiB")
             lines += ["", line + "."]
-    lines += ["", "Where the time goes (CPU, largest store of each shape): " + "; ".join(
-        split_line(s) for s in sizes if s is max((x for x in sizes if x["shape"] == s["shape"]),
-                                                 key=lambda x: x["events"]) and split_line(s)) + "."]
+    ratios = [f"{s['events']:,} {s['shape']}: {s['runs']['perfetto-python']['cpu_s'] / s['runs']['perfetto']['cpu_s']:.2f}x"
+              for s in sizes if all("cpu_s" in s["runs"].get(k, {}) for k in ("perfetto", "perfetto-python"))]
+    if ratios:
+        lines += ["", "The accelerator's gain (CPU time of perfetto-python / perfetto, same run): " + ", ".join(ratios) + "."]
+    splits = [split_line(s) for s in sizes if split_line(s)]
+    if splits:
+        lines += ["", "Where the time goes (CPU): " + "; ".join(splits) + "."]
     lines += ["", PROFILE]
     return "\n".join(lines) + "\n"
 
@@ -246,26 +259,23 @@ def report(sizes: List[Dict[str, Any]], command: str) -> str:
 # What a sampling profile of the Perfetto writer showed (not re-measured by this script: run
 # `py-spy record -f raw` on an export of the 1 M-event blocks store to see it again).
 PROFILE = (
-    "What stands in the way of 1 M events/s: with column blocks, decoding is no longer it (~0.1 us an "
-    "event; ~1.1 us with maps). What is left is Python work per rank of each collective (its 3 events): "
-    "filing and finding its open collective (3 dict operations on a (process, comm, seq) key), putting the "
-    "collective's ranks in arrival order with one flow, picking each rank's lanes, and encoding 2 slices = "
-    "4 TracePackets from ~25 cached byte pieces and 3 varint timestamps. py-spy on the 1 M-event blocks store "
-    "(share of the writer's samples, 2026-11-30): packet encoding 29% (ProtoSink.rank 22, .group 3, .comm 4), "
-    "joining and writing the buffered pieces 9%, arrival order, flows and lanes (Collectives.flush_group) "
-    "18%, end rows and group bookkeeping (colblocks._ends) 14%, enter and start rows 13% (their column "
-    "checks 2), MessagePack decoding 7%, reading the store and the rest 10%. Done to get here (from "
-    "120-250 k events/s): blocks read as columns without a map per event; a rank's calls and worker "
-    "slices written as one piece list from per-collective and per-track byte templates (BEGIN/END packet "
-    "heads by event length, varint tables for the low 28 bits of a timestamp, the rest cached per 268 ms); "
-    "one join per ~64 k pieces; the communicator slice from the same templates; lanes picked inline; "
-    "the garbage collector's young-generation threshold raised while exporting (~8%). 1 M events per "
-    "CPU-second would need about half of the Python operations per rank-collective that are left, or "
-    "nodes exported in parallel processes (per-agent workers, each with its own packet sequence, flows "
-    "drawn by flow_ids chains, which need no order across workers), which is not done. With findings "
-    "(`ccld export`'s default) the replay through the detectors (`ccld diagnose`'s) comes first and "
-    "dominates; `--findings FILE.jsonl` (the collector's) or `--no-findings` skip it, and `ccld collector "
-    "--perfetto` uses the findings it made live.")
+    "Where the time goes now (perf and py-spy on the 1 M-event blocks store with the accelerator, "
+    "2026-11-30): the C row loops and per-rank slices take about 60% (mostly CPython's own work they ask "
+    "for: allocating and freeing the open-collective entries, their (process, comm, seq) keys and the "
+    "group items, dict lookups, int comparisons), MessagePack decoding ~12%, and Python once per "
+    "collective ~20% (arrival order, flow roles, the group's cached argument pieces, the communicator "
+    "slice's lanes). The Python path it replaced spent ~5 us per rank of each collective on the same work "
+    "in bytecode: filing and finding its open collective, lanes, and 4 TracePackets from ~25 cached byte "
+    "pieces. Memory is the same either way. With findings (`ccld export`'s default) the replay through the "
+    "detectors (`ccld diagnose`'s) comes first and dominates; `--findings FILE.jsonl` (the collector's) or "
+    "`--no-findings` skip it, and `ccld collector --perfetto` uses the findings it made live.")
+
+
+def accel_state(sizes: List[Dict[str, Any]]) -> str:
+    runs = [s["runs"]["perfetto"] for s in sizes if "accel" in s["runs"].get("perfetto", {})]
+    if not runs:
+        return "(no perfetto run)"
+    return "built and used" if all(r["accel"] for r in runs) else "NOT built here: both rows are Python"
 
 
 def split_line(s: Dict[str, Any]) -> str:
@@ -285,7 +295,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1000000,10000000", help="store sizes in events (comma-separated)")
     p.add_argument("--shapes", default="blocks,maps", help="store shapes: blocks, maps (comma-separated)")
-    p.add_argument("--runs", default=",".join(RUNS), help=f"runs, of {', '.join(RUNS)} (comma-separated)")
+    p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"runs, of {', '.join(RUNS)} (comma-separated)")
     p.add_argument("--dir", default="/tmp", help="where the stores and traces go (deleted after)")
     p.add_argument("--write-results", action="store_true", help=f"update the export section of {RESULTS}")
     args = p.parse_args()
@@ -294,6 +304,7 @@ def main() -> int:
     if bad:
         p.error(f"unknown run {bad[0]!r}")
     sizes = []
+    os.makedirs(args.dir, exist_ok=True)
     for shape in [x for x in args.shapes.split(",") if x]:
         if shape not in ("blocks", "maps"):
             p.error(f"unknown shape {shape!r}")

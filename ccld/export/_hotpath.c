@@ -319,6 +319,33 @@ error:
     return NULL;
 }
 
+/* A (p, comm, seq) key to look up (never to store): `scratch` is reused while nothing else holds it,
+ * saving a tuple's allocation a row (CPython up to 3.13 does not cache a tuple's hash; later ones get
+ * a new tuple each time). A new reference. */
+static PyObject *lookup_key(PyObject **scratch, PyObject *p, PyObject *comm, PyObject *seq)
+{
+#if PY_VERSION_HEX < 0x030E0000
+    PyObject *k = *scratch;
+    if (k == NULL) {
+        k = *scratch = PyTuple_Pack(3, p, comm, seq);
+        Py_XINCREF(k);
+        return k;
+    }
+    if (Py_REFCNT(k) == 1) {
+        PyObject *v[3] = {p, comm, seq};
+        for (int i = 0; i < 3; i++) {
+            PyObject *old = PyTuple_GET_ITEM(k, i);
+            Py_INCREF(v[i]);
+            PyTuple_SET_ITEM(k, i, v[i]);
+            Py_DECREF(old);
+        }
+        Py_INCREF(k);
+        return k;
+    }
+#endif
+    return PyTuple_Pack(3, p, comm, seq);
+}
+
 /* _starts: start rows [start, n). Returns (index stopped at, starts without an enter). */
 static PyObject *hp_starts(PyObject *self, PyObject *const *a, Py_ssize_t na)
 {
@@ -330,7 +357,7 @@ static PyObject *hp_starts(PyObject *self, PyObject *const *a, Py_ssize_t na)
     long long off, start, n;
     if (!i64(a[6], &off) || !i64(a[7], &start) || !i64(a[8], &n))
         return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
-    PyObject *last_pid = NULL, *p = NULL;
+    PyObject *last_pid = NULL, *p = NULL, *scratch = NULL;
     Py_ssize_t i = start, missing = 0;
     for (; i < n; i++) {
         PyObject *seq = cell(seqs, i);
@@ -342,7 +369,7 @@ static PyObject *hp_starts(PyObject *self, PyObject *const *a, Py_ssize_t na)
             goto error;
         if (!take)
             continue;
-        PyObject *key = PyTuple_Pack(3, p, comm, seq);
+        PyObject *key = lookup_key(&scratch, p, comm, seq);
         if (key == NULL)
             goto error;
         PyObject *o = PyDict_GetItemWithError(open_, key);
@@ -366,9 +393,11 @@ static PyObject *hp_starts(PyObject *self, PyObject *const *a, Py_ssize_t na)
         }
     }
     Py_XDECREF(p);
+    Py_XDECREF(scratch);
     return Py_BuildValue("(nn)", i, missing);
 error:
     Py_XDECREF(p);
+    Py_XDECREF(scratch);
     return NULL;
 }
 
@@ -389,7 +418,7 @@ static PyObject *hp_ends(PyObject *self, PyObject *const *a, Py_ssize_t na)
         !i64(PyTuple_GET_ITEM(a[16], 0), &start) || !i64(PyTuple_GET_ITEM(a[16], 1), &n) ||
         !i64(PyTuple_GET_ITEM(a[16], 2), &max_groups) || !i64(PyTuple_GET_ITEM(a[16], 3), &max_ts))
         return Py_BuildValue("(nnO)", (Py_ssize_t)0, (Py_ssize_t)0, Py_None);
-    PyObject *last_pid = NULL, *p = NULL, *cur = NULL, *gk = NULL, *items = NULL;
+    PyObject *last_pid = NULL, *p = NULL, *cur = NULL, *gk = NULL, *items = NULL, *scratch = NULL;
     long long want = 0;
     Py_ssize_t i = start, missing = 0;
     for (; i < n; i++) {
@@ -404,7 +433,7 @@ static PyObject *hp_ends(PyObject *self, PyObject *const *a, Py_ssize_t na)
             continue;
         if (t > max_ts)
             max_ts = t;
-        PyObject *key = PyTuple_Pack(3, p, comm, seq);
+        PyObject *key = lookup_key(&scratch, p, comm, seq);
         if (key == NULL)
             goto error;
         PyObject *o = dict_pop(open_, key);
@@ -540,12 +569,14 @@ error_o:
         goto error;
     }
     Py_XDECREF(p);
+    Py_XDECREF(scratch);
     Py_XDECREF(cur);
     Py_XDECREF(gk);
     Py_XDECREF(items);
     return Py_BuildValue("(nnL)", i, missing, max_ts);
 error:
     Py_XDECREF(p);
+    Py_XDECREF(scratch);
     Py_XDECREF(cur);
     Py_XDECREF(gk);
     Py_XDECREF(items);
@@ -963,11 +994,52 @@ error:
     return NULL;
 }
 
+/* comm(sink, out, w, b, e, ranks, first_rank, last_rank, spread_us): ProtoSink.comm's common case (a
+ * whole collective on its communicator's track, after its ranks): the slice b..e on the track whose
+ * ProtoSink.declare pieces are `out`, with the collective's name/comm/seq pieces `w` and four int
+ * args, appended to sink.buf. False (nothing written): not that shape, ProtoSink.comm writes it. */
+static PyObject *hp_comm(PyObject *self, PyObject *const *a, Py_ssize_t na)
+{
+    static const char keys[4][3] = {{0x08, 0x0a, 0x20}, {0x08, 0x0b, 0x20}, {0x08, 0x0c, 0x20},
+                                    {0x08, 0x0d, 0x20}};  /* name_iid 10..13 (protobuf._FIXED_KEYS), int_value */
+    if (na != 9) {
+        PyErr_SetString(PyExc_TypeError, "comm: 9 arguments");
+        return NULL;
+    }
+    PyObject *sink = a[0], *out_t = a[1], *w = a[2];
+    long long b, e, v[4];
+    if (!PyBytes_Check(w) || !i64(a[3], &b) || !i64(a[4], &e) || b < TS9_LO || e < TS9_LO)
+        Py_RETURN_FALSE;
+    char mid[64];
+    Py_ssize_t n = 0;
+    for (int k = 0; k < 4; k++) {
+        if (!i64(a[5 + k], &v[k]))
+            Py_RETURN_FALSE;
+        int len = uv_len((unsigned long long)v[k]);  /* negative: 10 bytes, as int64 */
+        mid[n++] = 0x22;  /* DebugAnnotation */
+        mid[n++] = (char)(3 + len);
+        memcpy(mid + n, keys[k], 3);
+        n += 3;
+        Out tmp = {mid + n, 0, 16};
+        put_uv(&tmp, (unsigned long long)v[k]);
+        n += len;
+    }
+    Out o = {NULL, 0, 0};
+    int wrote = encode_pair(&o, out_t, PyBytes_AS_STRING(w), PyBytes_GET_SIZE(w), mid, n, b, e);
+    if (wrote > 0 && spill(&o, sink) < 0)
+        wrote = -1;
+    PyMem_Free(o.p);
+    if (wrote < 0)
+        return NULL;
+    return PyBool_FromLong(wrote);
+}
+
 static PyMethodDef methods[] = {
     {"colls", (PyCFunction)(void (*)(void))hp_colls, METH_FASTCALL, "colblocks._colls's row loop"},
     {"starts", (PyCFunction)(void (*)(void))hp_starts, METH_FASTCALL, "colblocks._starts's row loop"},
     {"ends", (PyCFunction)(void (*)(void))hp_ends, METH_FASTCALL, "colblocks._ends's row loop"},
     {"ranks", (PyCFunction)(void (*)(void))hp_ranks, METH_FASTCALL, "Collectives.flush_group's rank loop"},
+    {"comm", (PyCFunction)(void (*)(void))hp_comm, METH_FASTCALL, "ProtoSink.comm's common case"},
     {"bind", hp_bind, METH_VARARGS, "bind(Proc, Track, Lanes): the slots read directly"},
     {"all_ints", hp_all_ints, METH_O, "every value of a list an int"},
     {NULL, NULL, 0, NULL},

@@ -19,6 +19,7 @@ import json
 import struct
 from typing import Any, Dict, List, Optional
 
+from ccld.export import accel
 from ccld.export.tracks import Track
 
 
@@ -399,6 +400,9 @@ class ProtoSink:
             self.slice(t, b, e, op, args)
             return
         w = self.gp[3]  # name, comm and seq, as a worker slice has them
+        hot = accel.hot
+        if hot is not None and hot.comm(self, t.out, w, b, e, ranks, first_rank, last_rank, spread_us):
+            return
         x1, x2, x3, x4 = _uv(ranks), _uv(first_rank), _uv(last_rank), _uv(spread_us)
         self._pair(t, b, e, b"".join((b"\x48\x01", t.out[0], w,
                                       b"\x22", _SMALL[3 + len(x1)], _ANN_RANKS, x1,
