@@ -29,6 +29,7 @@ from ccld.gpujoin import MAX_LAUNCH_LAG_NS
 GPU_EVENTS = (ev.GpuKernel, ev.GpuMemop, ev.GpuLoss)
 KEEP_NS = 120_000_000_000           # enters older than this behind a thread's newest are forgotten
 MAX_ENTERS_PER_THREAD = 8192        # ~minutes of a fast job's collectives on one thread
+# (both checked with an eighth of slack, so that forgetting is done in chunks)
 MAX_PROCS = 100_000                 # like timeline.MAX_RANKS
 MAX_WAITING = 1024                  # kernels per thread that came before their enter (BPF drains later)
 
@@ -63,14 +64,27 @@ class GpuJoin:
     def __init__(self, tl: Any):
         self.tl = tl
         self.procs: Dict[Tuple[str, int], Proc] = {}
+        self.capture: set = set()  # (node, pid) with CUPTI capture (note_capture)
         self.loss: Dict[Tuple[str, int], Dict[str, int]] = {}   # (node, pid) -> the shim's GpuLoss counters
         self.status: Dict[str, int] = collections.Counter()     # type: ignore[assignment]
 
     # ---- host side ------------------------------------------------------------------------------
+    def note_capture(self, node: str, pid: int) -> None:
+        """(node, pid) has CUPTI capture: a cupti ProbeStatus (the shim says so as the rank starts) or a
+        GPU record came from it. Only such ranks' NCCL enters are kept for the join (as the export
+        does), so a job without CUPTI pays nothing for it and the timeline takes its fast path."""
+        if len(self.capture) < MAX_PROCS:
+            self.capture.add((node, pid))
+        elif (node, pid) not in self.capture:
+            self.status["procs-over-bound"] += 1
+
+    def capturing(self, node: str, pids) -> bool:
+        return any((node, pid) in self.capture for pid in pids)
+
     def on_enter(self, node: str, e: ev.CollEnter) -> None:
         """A CollEnter the timeline accepted (it is in its collective's view)."""
-        if e.backend != "nccl" or e.tid <= 0:
-            return  # only NCCL collectives run kernels; tid 0: the probe did not say
+        if e.backend != "nccl" or e.tid <= 0 or (node, e.pid) not in self.capture:
+            return  # only NCCL collectives of a rank with CUPTI capture run kernels we see; tid 0: the probe did not say
         rec = self.tl.ranks.get((node, e.pid))
         rank = e.rank if e.rank >= 0 else (rec.rank if rec is not None else -1)
         view = self._view(e.comm, e.seq)
@@ -84,11 +98,13 @@ class GpuJoin:
         ts.insert(i, e.ts_ns)
         enter = Enter(e.ts_ns, e.comm, e.seq, e.op, rank)
         enters.insert(i, enter)
-        cut = bisect.bisect_left(ts, ts[-1] - KEEP_NS)
-        cut = max(cut, len(ts) - MAX_ENTERS_PER_THREAD)
-        if cut > 0:
-            self.status["enters-forgotten"] += sum(1 for x in enters[:cut] if x.launch is None)
-            del ts[:cut], enters[:cut]
+        # Forget beyond the bounds in chunks (an eighth of them), not one enter at a time: each cut
+        # moves the whole list, which at 8,192 enters a thread was a fifth of a replay's time.
+        if len(ts) > MAX_ENTERS_PER_THREAD * 9 // 8 or ts[-1] - ts[0] > KEEP_NS * 9 // 8:
+            cut = max(bisect.bisect_left(ts, ts[-1] - KEEP_NS), len(ts) - MAX_ENTERS_PER_THREAD)
+            if cut > 0:
+                self.status["enters-forgotten"] += sum(1 for x in enters[:cut] if x.launch is None)
+                del ts[:cut], enters[:cut]
         q = proc.by_comm.setdefault(e.comm, collections.deque(maxlen=MAX_ENTERS_PER_THREAD))
         q.append(enter)  # not enters[i]: the cut above may have shifted (or removed) index i
         waiting = proc.waiting.get(e.tid)

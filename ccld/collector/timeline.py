@@ -268,7 +268,7 @@ class Timeline:
         """pid -> RankRecord for the block's rows when all are known members of its communicator, else None."""
         same, cols = b.same, b.cols
         comm = self.comms.get(same["comm"])
-        if comm is None or (b.kind == "coll" and same.get("backend") == "nccl"):
+        if comm is None:
             return None
         cpids, get = comm.pids, self.ranks.get
         recs = {}
@@ -279,6 +279,8 @@ class Timeline:
             recs[pid] = rec
         if len(recs) != len(set(cols["rank"])):
             return None  # one pid under two ranks
+        if b.kind == "coll" and same.get("backend") == "nccl" and self.gpu.capturing(node, recs):
+            return None  # NCCL enters of a rank with CUPTI capture: kept one by one for the kernel join
         if not comm.job:
             comm.job = next(iter(recs.values())).job
         self.events_by_kind[b.kind] += b.n
@@ -373,6 +375,8 @@ class Timeline:
         elif isinstance(e, ev.LossCounters):
             self.agent_loss[agent] = dict(e.counters)  # cumulative: the latest replaces the previous
         elif isinstance(e, ev.ProbeStatus):
+            if e.family == "cupti":
+                self.gpu.note_capture(node, e.pid)
             self.probes[(node, e.pid, e.family)] = {"ok": e.ok, "target": e.target, "attached": e.attached,
                                                     "message": e.message, "at": t}
         elif isinstance(e, ev.RankInfo):
@@ -394,6 +398,7 @@ class Timeline:
             elif isinstance(e, ev.WorkEnd):
                 self.clock.observe_end(agent, e)  # ranks leave a collective together: aligns the nodes' clocks
         elif isinstance(e, GPU_EVENTS):
+            self.gpu.note_capture(node, e.pid)
             self.gpu.apply(agent, node, e)
         else:
             self.anomalies[f"unhandled-kind:{e.KIND}"] += 1  # a kind the schema knows but the timeline does not use

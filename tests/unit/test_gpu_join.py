@@ -18,7 +18,8 @@ LAUNCH_AFTER, GPU_AFTER, GPU_TOOK = 20e-6, 50e-6, 1e-3
 class GpuJob:
     """`world` NCCL ranks on one node; times are Unix seconds, sent as that node's monotonic ns."""
 
-    def __init__(self, world=2, comms=(COMM_A,)):
+    def __init__(self, world=2, comms=(COMM_A,), capture=True):
+        """capture: each rank's CUPTI shim says it is on as the rank starts (a cupti ProbeStatus)."""
         self.world = world
         self.agent = FakeAgent("agent-0", "node0", boot_unix=T0 - 5000.0)
         self.tl = Timeline()
@@ -27,7 +28,9 @@ class GpuJob:
         self.send([ev.RankInfo(pid=100 + r, rank=r, world_size=world, local_rank=r, node="node0", job="job",
                                ts_ns=self.ns(T0)) for r in range(world)]
                   + [ev.CommInit(pid=100 + r, rank=r, ts_ns=self.ns(T0), backend="nccl", comm=c, group_rank=r,
-                                 group_size=world) for r in range(world) for c in comms])
+                                 group_size=world) for r in range(world) for c in comms]
+                  + [ev.ProbeStatus(pid=100 + r, family="cupti", ok=True, ts_ns=self.ns(T0), target="libcupti",
+                                    message="CUPTI capture on") for r in range(world) if capture])
 
     def ns(self, t):
         return self.agent.mono(t)
@@ -209,3 +212,21 @@ def test_a_thread_past_its_bound_of_remembered_calls_keeps_joining(monkeypatch):
     job.send([job.kernel(0, launch)])
     assert_span(job.span(COMM_A, 30, 0), enter_time(30, 0), launch)
     assert job.join().get("enters-forgotten", 0) >= 20
+
+
+def test_without_cupti_capture_nccl_enters_take_the_fast_path_and_join_nothing():
+    """A rank with no CUPTI shim (no cupti ProbeStatus, no GPU record) keeps none of its NCCL enters for
+    the join: its column blocks take the timeline's fast path; once a GPU record shows capture, the
+    rank's later enters are kept and joined."""
+    job = GpuJob(world=2, capture=False)
+    for seq in (1, 2):
+        job.send([e for r in range(2) for e in (job.enter(r, COMM_A, seq, enter_time(seq, r)),
+                                                ev.WorkEnd(pid=100 + r, rank=r, ts_ns=job.ns(enter_time(seq, r) + 0.01),
+                                                           comm=COMM_A, seq=seq))])
+    assert job.tl.gpu.procs == {} and job.tl.gpu.capture == set()
+    assert job.tl.comms[COMM_A].colls[2].enter.keys() == {0, 1}  # the timeline has them all the same
+    job.send([job.kernel(0, enter_time(2, 0) + LAUNCH_AFTER)])  # capture shows: rank 0 is now kept
+    job.send([job.enter(r, COMM_A, 3, enter_time(3, r)) for r in range(2)])
+    job.send([job.kernel(0, enter_time(3, 0) + LAUNCH_AFTER)])
+    assert_span(job.span(COMM_A, 3, 0), enter_time(3, 0), enter_time(3, 0) + LAUNCH_AFTER)
+    assert job.span(COMM_A, 3, 1)[1] is None and (("node0", 101) not in job.tl.gpu.procs)
