@@ -100,6 +100,11 @@ class ClockTable:
             return self.update_sync(agent, e)
         return self.update(agent, e.mono_ns, e.wall_ns)
 
+    def arrived(self, recv_unix: float) -> None:
+        """The receive time of the frame whose ends come next (the refinement settles by it)."""
+        if self.refiner is not None:
+            self.refiner.now = recv_unix
+
     def observe_end(self, agent: str, e: ev.WorkEnd) -> None:
         """A collective's end in one rank: a synchronization point for the refinement."""
         if self.refiner is not None and e.ok and agent in self._c:

@@ -11,8 +11,13 @@ centred on the round-trip estimates, weighted by 1/uncertainty^2, and each is cl
 round-trip uncertainty (a node without a time service, converting with its wall clock, may be moved
 up to MAX_WALL_CORRECTION_S: its error is not bounded by anything measured).
 
-Units: ns. A collective is read SETTLE_GROUPS collectives after its first WorkEnd (by then every rank
-has reported it), and corrections are recomputed every UPDATE_EVERY read collectives.
+Units: ns. A collective is read once it has waited SETTLE_S of the collector's receive time since its
+first WorkEnd came (`now`, set by the timeline per frame: agents ship every 100 ms, so by then every
+agent's ends are in, at any rate of collectives), or once MAX_ENTRIES (agent, collective) entries
+wait; without receive times that move (a caller that gives none, frames stamped alike),
+SETTLE_GROUPS collectives after it.
+Corrections are recomputed every UPDATE_EVERY collectives used, at most every UPDATE_MIN_S of receive
+time (the sorts of WINDOW residuals are the refinement's main cost; clocks drift slowly).
 The job's estimate is weighed against the round trips' by precision: its error is taken as the
 median's standard error plus how far apart ranks leave one collective (the residuals' robust spread,
 at least JOB_SYNC_FLOOR_NS), so on busy CPUs, where ranks leave milliseconds apart, it barely counts,
@@ -29,7 +34,10 @@ import collections
 import math
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-SETTLE_GROUPS = 64        # collectives in flight at once are a handful; 64 later, all ends are in
+SETTLE_S = 1.0            # receive time a collective waits for every agent's ends (frames every 0.1 s)
+MAX_ENTRIES = 131_072     # (agent, collective) entries waiting, at most: 64 collectives of 2,048 agents
+SETTLE_GROUPS = 64        # without receive times: read 64 collectives later (a handful are in flight)
+UPDATE_MIN_S = 0.5        # receive time between recomputations, at least
 WINDOW = 1000             # residuals kept per agent: minutes of a job at ten collectives a second
 MIN_GROUPS = 20           # an agent's correction needs this many shared collectives (median of 20 is robust)
 BATCHES = 10              # batch medians for the standard error (see _median_se)
@@ -71,8 +79,13 @@ class JobClockRefiner:
                  uncertainty_ns: Callable[[str], int], apply: Callable[[Dict[str, tuple]], None]):
         self.base_ns, self.source, self.uncertainty_ns, self.apply = base_ns, source, uncertainty_ns, apply
         # (comm, seq) -> agent -> its ranks' end times (base Unix ns), oldest first
-        self.groups: "collections.OrderedDict[Tuple[str, int], Dict[str, List[int]]]" = \
+        # (comm, seq) -> (receive time of its first end or None, agent -> its ranks' end times), oldest first
+        self.groups: "collections.OrderedDict[Tuple[str, int], Tuple[Optional[float], Dict[str, List[int]]]]" = \
             collections.OrderedDict()
+        self.now: Optional[float] = None  # receive time (Unix s) of the frame being read; None: not known
+        self.entries = 0                  # (agent, collective) entries in groups
+        self.last_update: Optional[float] = None
+        self._first_now: Optional[float] = None
         self.ref: Optional[str] = None
         self.resid: Dict[str, Deque[int]] = {}
         self.sources: Dict[str, str] = {}
@@ -90,21 +103,50 @@ class JobClockRefiner:
             self.sources[agent] = src
             self._forget(agent)
         key = (comm, seq)
-        g = self.groups.get(key)
-        if g is None:
-            g = self.groups[key] = {}
-            while len(self.groups) > SETTLE_GROUPS:
-                _, old = self.groups.popitem(last=False)
-                self._read(old)
-        g.setdefault(agent, []).append(t)
+        got = self.groups.get(key)
+        if got is None:
+            self._settle()
+            got = self.groups[key] = (self.now, {})
+        g = got[1]
+        ends = g.get(agent)
+        if ends is None:
+            ends = g[agent] = []
+            self.entries += 1
+        ends.append(t)
+
+    def _moving(self) -> bool:
+        """Whether receive times are known and have changed since the first (frames stamped alike, as
+        tests and synthetic stores do, settle by count)."""
+        now = self.now
+        if now is None:
+            return False
+        if self._first_now is None:
+            self._first_now = now
+        return now != self._first_now
+
+    def _settle(self) -> None:
+        """Read the collectives that waited long enough (SETTLE_S of receive time, or SETTLE_GROUPS
+        collectives when it is not known), or beyond MAX_ENTRIES."""
+        groups, now = self.groups, self.now
+        while groups:
+            first = next(iter(groups.values()))[0]
+            if self._moving() and first is not None:
+                settled = now - first >= SETTLE_S
+            else:  # receive time unknown, or the same for every frame so far: count
+                settled = len(groups) >= SETTLE_GROUPS
+            if not settled and self.entries <= MAX_ENTRIES:
+                break
+            _, (_, old) = groups.popitem(last=False)
+            self.entries -= len(old)
+            self._read(old)
 
     def observe_ends(self, agent: str, comm: str, seq: int, base_ns: List[int]) -> None:
         """observe_end for several ranks of one agent in one collective, times already in base Unix ns."""
         first = base_ns[0]
         self.observe_end(agent, comm, seq, first, converted=True)
-        g = self.groups.get((comm, seq))
-        if len(base_ns) > 1 and g is not None and agent in g:
-            g[agent].extend(base_ns[1:])
+        got = self.groups.get((comm, seq))
+        if len(base_ns) > 1 and got is not None and agent in got[1]:
+            got[1][agent].extend(base_ns[1:])
 
     def _forget(self, agent: str) -> None:
         if agent == self.ref:
@@ -130,7 +172,9 @@ class JobClockRefiner:
             if a != self.ref:
                 self.resid.setdefault(a, collections.deque(maxlen=WINDOW)).append(int(_median(ends) - m_ref))
         self.used += 1
-        if self.used % UPDATE_EVERY == 0:
+        if self.used % UPDATE_EVERY == 0 and (not self._moving() or self.last_update is None
+                                              or not 0 <= self.now - self.last_update < UPDATE_MIN_S):
+            self.last_update = self.now
             self.update()
 
     def update(self) -> None:

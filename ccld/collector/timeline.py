@@ -181,6 +181,7 @@ class Timeline:
             self.anomalies["agent-restart"] += 1  # numbering started over: a new agent process
         info["last_batch"] = batch.batch
         self.last_recv = recv_unix if self.last_recv is None else max(self.last_recv, recv_unix)
+        self.clock.arrived(self.last_recv)  # never backwards: the refinement settles collectives by it
         prepared: Dict[Block, Any] = {}
         for e in in_order(batch.plain, batch.blocks):
             if type(e) is tuple:  # a run of a column block: rows i:j, all of one collective

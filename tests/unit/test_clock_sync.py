@@ -173,3 +173,31 @@ def test_a_noisy_job_barely_moves_a_good_round_trip_estimate():
     assert all(abs(e) <= 12_000 for e in errs.values()), errs  # no worse than before (10 us)
     assert job.clock.source("n0") == "sync+job"
     assert all(job.clock.uncertainty_ns(a) <= 40_000 for a in job.err)
+
+
+def test_collectives_faster_than_the_frames_still_refine_the_clocks():
+    """2,000 collectives a second, node b's frames 100 ms behind node a's: a collective waits for every
+    agent's ends by receive time (clockrefine.SETTLE_S), not a count of collectives (64 of them pass in
+    32 ms here, before b's ends of them arrive: the refinement never saw both nodes and did nothing),
+    and the corrections are recomputed at most every UPDATE_MIN_S however fast collectives come."""
+    job = Job({"n0": 30_000, "n1": -20_000}, {"n0": 60_000, "n1": 60_000})
+    per_frame = 200
+    updates = []
+    job.clock.refiner.update = (lambda orig: lambda: (updates.append(job.clock.refiner.now), orig())[1])(
+        job.clock.refiner.update)
+    for k in range(40):  # 4 s of receive time
+        job.clock.arrived(k * 0.1)
+        for a, frame in (("n0", k), ("n1", k - 1)):  # n1's frame holds what n0 sent a frame ago
+            for seq in range(frame * per_frame, (frame + 1) * per_frame) if frame >= 0 else ():
+                t = UNIX + seq * 500_000
+                for r in range(2):
+                    job.clock.observe_end(a, ev.WorkEnd(pid=r, rank=r, ts_ns=job.mono(a, t + job.rng.randint(0, 3_000)),
+                                                        comm="j/gloo:0", seq=seq))
+    refiner = job.clock.refiner
+    # every collective read had both nodes, but for some of the first frame's: read by count (until
+    # receive time moves, the refiner cannot tell frames stamped alike from a live job), and n1's late
+    # ends of those, read alone a second later
+    assert refiner.used >= 5_000 and refiner.read - refiner.used <= 2 * (per_frame - clockrefine.SETTLE_GROUPS)
+    errs = {a: job.error_ns(a, UNIX + 2_000_000_000) for a in job.err}
+    assert abs(errs["n0"] - errs["n1"]) < 6_000, errs  # were 50 us apart
+    assert len(updates) <= 4 / clockrefine.UPDATE_MIN_S + 1

@@ -71,7 +71,8 @@ def test_once_the_fit_is_full_bursts_get_smaller_and_sparser(monkeypatch):
         per_s = (sync.bursts - b0) / (time.monotonic() - at)
         assert per_burst <= timesync.STEADY_BURST + 1, per_burst  # +1: a burst in flight at the start
         assert per_s < 1 / 0.2 * 1.5, per_s  # a burst every 0.2 s, not every 0.02 s
-        assert sync.latest() is not None and sync.latest().samples >= 4
+        # the fit keeps its best exchanges: on a loaded box a burst's may all be dropped for a while
+        assert wait(lambda: sync.latest() is not None and sync.latest().samples >= 4)
     finally:
         sync.close()
         svc.close()
