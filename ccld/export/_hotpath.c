@@ -21,7 +21,8 @@
 #include <string.h>
 
 static PyObject *s_enter, *s_new_proc, *s_max_ts, *s_evict_open, *s_expected, *s_flush_group, *s_popitem,
-    *s_proc_track, *s_pick, *s_declare, *s_group, *s_gp, *s_rank, *s_started, *s_buf, *s_flush, *i_two;
+    *s_proc_track, *s_pick, *s_declare, *s_group, *s_gp, *s_rank, *s_started, *s_buf, *s_flush, *s_stats,
+    *s_bad_events, *i_two;
 
 /* -- slots: Proc, Track and Lanes are __slots__ classes. PyObject_GetAttr costs ~30 ns and a rank
  * takes ~15, so bind() finds each slot's offset from its member descriptor once and get()/set() read
@@ -105,6 +106,24 @@ static int i64(PyObject *x, long long *out)
         return 0;
     }
     return 1;
+}
+
+/* a OP b for ints (Py_LT, Py_LE, Py_NE, Py_GT) in C when both are exact ints within int64, else as
+ * Python compares them; -1 on error. A few a row: RichCompare's dispatch was ~7% of the export. */
+static int cmp(PyObject *a, PyObject *b, int op)
+{
+    long long x, y;
+    if (a == b && op == Py_NE)
+        return 0;
+    if (!PyLong_CheckExact(a) || !PyLong_CheckExact(b) || !i64(a, &x) || !i64(b, &y))
+        return PyObject_RichCompareBool(a, b, op);
+    switch (op) {
+    case Py_LT: return x < y;
+    case Py_LE: return x <= y;
+    case Py_NE: return x != y;
+    case Py_GT: return x > y;
+    default: return PyObject_RichCompareBool(a, b, op);
+    }
 }
 
 /* Row i of a column: a list, or one shared value for every row. */
@@ -213,7 +232,7 @@ static int row_head(PyObject *m, PyObject *procs, PyObject *node, PyObject *pids
     long long ts;
     if (!i64(cell(tss, i), &ts) || __builtin_add_overflow(ts, off, t))
         return 2;
-    if (*last_pid == NULL || PyObject_RichCompareBool(pid, *last_pid, Py_NE) == 1) {
+    if (*last_pid == NULL || cmp(pid, *last_pid, Py_NE) == 1) {
         Py_XSETREF(*p, proc_of(m, procs, node, pid, ranks == NULL ? NULL : cell(ranks, i)));
         if (*p == NULL)
             return -1;
@@ -403,7 +422,10 @@ error:
 
 /* _ends: end rows [start, n), each filed in its (comm, seq) group, a group flushed (Python's
  * colls.flush_group) when its last expected rank ends. Returns (index stopped at, ends without an
- * enter, max_ts). */
+ * enter, max_ts, the key of the group the rows stopped in: None when none is open). A run of rows of
+ * one seq is one group, keyed by its first row's seq: the Python loop that takes over goes on with that
+ * key rather than begin a new run (its seq may be == but not the same, True for 1, and flush_group
+ * writes it). */
 static PyObject *hp_ends(PyObject *self, PyObject *const *a, Py_ssize_t na)
 {
     if (na != 17) {
@@ -417,7 +439,7 @@ static PyObject *hp_ends(PyObject *self, PyObject *const *a, Py_ssize_t na)
     if (!i64(a[15], &off) || !PyTuple_Check(a[16]) || PyTuple_GET_SIZE(a[16]) != 4 ||
         !i64(PyTuple_GET_ITEM(a[16], 0), &start) || !i64(PyTuple_GET_ITEM(a[16], 1), &n) ||
         !i64(PyTuple_GET_ITEM(a[16], 2), &max_groups) || !i64(PyTuple_GET_ITEM(a[16], 3), &max_ts))
-        return Py_BuildValue("(nnO)", (Py_ssize_t)0, (Py_ssize_t)0, Py_None);
+        return Py_BuildValue("(nnOO)", (Py_ssize_t)0, (Py_ssize_t)0, Py_None, Py_None);
     PyObject *last_pid = NULL, *p = NULL, *cur = NULL, *gk = NULL, *items = NULL, *scratch = NULL;
     long long want = 0;
     Py_ssize_t i = start, missing = 0;
@@ -472,7 +494,7 @@ static PyObject *hp_ends(PyObject *self, PyObject *const *a, Py_ssize_t na)
             Py_DECREF(o);
             goto error;
         }
-        if (cur == NULL || PyObject_RichCompareBool(seq, cur, Py_NE) == 1) {
+        if (cur == NULL || cmp(seq, cur, Py_NE) == 1) {
             Py_XSETREF(gk, PyTuple_Pack(2, comm, seq));
             if (gk == NULL)
                 goto error_o;
@@ -514,9 +536,17 @@ static PyObject *hp_ends(PyObject *self, PyObject *const *a, Py_ssize_t na)
                 if (w == NULL)
                     goto error_o;
             }
-            int ok64 = i64(w, &want);
+            /* Past int64 (a damaged store's group_size or world_size, up to 2^64-1): no group is that
+             * big, so it never completes, as in Python's len(items) >= want; a count below int64 always
+             * does. */
+            int over = 0, is_int = PyLong_Check(w);
+            if (is_int) {
+                want = PyLong_AsLongLongAndOverflow(w, &over);  /* cannot fail on an int */
+                if (over)
+                    want = over > 0 ? LLONG_MAX : LLONG_MIN;
+            }
             Py_DECREF(w);
-            if (!ok64) {
+            if (!is_int) {
                 PyErr_SetString(PyExc_TypeError, "expected ranks: not an int");
                 goto error_o;
             }
@@ -548,12 +578,21 @@ static PyObject *hp_ends(PyObject *self, PyObject *const *a, Py_ssize_t na)
             Py_XDECREF(none);
             if (kv == NULL)
                 goto error;
-            PyObject *old = PyTuple_Check(kv) && PyTuple_GET_SIZE(kv) == 2 ?
-                PySequence_GetItem(PyTuple_GET_ITEM(kv, 1), 1) : NULL;
-            if (old != NULL)
-                r = PyObject_CallMethodObjArgs(colls, s_flush_group, PyTuple_GET_ITEM(kv, 0), old, Py_False, NULL);
-            Py_XDECREF(old);
+            /* k, old = kv, as Python unpacks it (any pair; anything else raises, never NULL unset) */
+            PyObject *pair = PySequence_Fast(kv, "a waiting group is not a (key, group) pair");
             Py_DECREF(kv);
+            if (pair == NULL)
+                goto error;
+            PyObject *old = NULL;
+            if (PySequence_Fast_GET_SIZE(pair) != 2)
+                PyErr_SetString(PyExc_ValueError, "a waiting group is not a (key, group) pair");
+            else
+                old = PySequence_GetItem(PySequence_Fast_GET_ITEM(pair, 1), 1);
+            if (old != NULL)
+                r = PyObject_CallMethodObjArgs(colls, s_flush_group, PySequence_Fast_GET_ITEM(pair, 0), old, Py_False,
+                                               NULL);
+            Py_XDECREF(old);
+            Py_DECREF(pair);
         } else {
             continue;
         }
@@ -568,12 +607,13 @@ error_o:
         Py_DECREF(o);
         goto error;
     }
+    PyObject *ret = Py_BuildValue("(nnLO)", i, missing, max_ts, cur != NULL ? gk : Py_None);  /* before gk goes */
     Py_XDECREF(p);
     Py_XDECREF(scratch);
     Py_XDECREF(cur);
     Py_XDECREF(gk);
     Py_XDECREF(items);
-    return Py_BuildValue("(nnL)", i, missing, max_ts);
+    return ret;
 error:
     Py_XDECREF(p);
     Py_XDECREF(scratch);
@@ -646,7 +686,39 @@ static int spill(Out *o, PyObject *sink)
     return r;
 }
 
-#define HOTPATH_VERSION 1  /* accel.py takes this module only with the interface it was written for */
+/* ranks() leaving with an exception: what its loop did before stays done, as Python's loop has it by
+ * then (the caller's input loop may count the exception as one bad event and go on): its packets go to
+ * sink.buf and its bad events to m.stats. The exception is kept; a failure here is dropped for it. */
+static void keep_done(PyObject *m, PyObject *sink, Out *out, Py_ssize_t bad)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *exc = PyErr_GetRaisedException();
+#else
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+#endif
+    if (spill(out, sink) < 0)
+        PyErr_Clear();
+    if (bad > 0) {
+        PyObject *stats = PyObject_GetAttr(m, s_stats);
+        PyObject *was = stats == NULL ? NULL : PyObject_GetItem(stats, s_bad_events);  /* a Counter: 0 if none */
+        PyObject *n = was == NULL ? NULL : PyLong_FromSsize_t(bad);
+        PyObject *now = n == NULL ? NULL : PyNumber_Add(was, n);
+        if (now == NULL || PyObject_SetItem(stats, s_bad_events, now) < 0)
+            PyErr_Clear();
+        Py_XDECREF(now);
+        Py_XDECREF(n);
+        Py_XDECREF(was);
+        Py_XDECREF(stats);
+    }
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(et, ev, tb);
+#endif
+}
+
+#define HOTPATH_VERSION 2  /* accel.py takes this module only with the interface it was written for */
 #define TS9_LO (1LL << 56)  /* timestamps in [2^56, 2^63) have 9-byte varints: ProtoSink.rank's fast path */
 #define MAX_EVENT 4064      /* protobuf._MAX_PRE + 64: the event lengths ProtoSink's packet heads cover */
 #define FLUSH_PIECES 256   /* pieces in ProtoSink.buf, a group's ranks each (~4 KiB), before a flush */
@@ -746,11 +818,11 @@ static PyObject *hp_ranks(PyObject *self, PyObject *const *a, Py_ssize_t na)
     PyObject *m = a[0], *sink = a[1], *items = a[3], *roles = a[4], *seq = a[5], *comm = a[6];
     PyObject *fid = a[7], *t_to_o = a[8], *sink_errors = a[9], *new_flow = a[10], *slice_flow = a[11];
     int proto = PyObject_IsTrue(a[2]);  /* sink is a ProtoSink: C encodes its common slices */
-    long long t_to;
     if (proto < 0)
         return NULL;
-    if (!PyList_Check(items) || !PySequence_Check(roles) || !i64(t_to_o, &t_to)) {
-        PyErr_SetString(PyExc_TypeError, "ranks: items must be a list, t_to an int64");
+    /* t_to is compared as an object (cmp): `--to 1e10` is 10^19 ns, past int64, and Python takes it */
+    if (!PyList_Check(items) || !PySequence_Check(roles)) {
+        PyErr_SetString(PyExc_TypeError, "ranks: items must be a list, roles a sequence");
         return NULL;
     }
     Out out = {NULL, 0, 0};
@@ -838,13 +910,15 @@ static PyObject *hp_ranks(PyObject *self, PyObject *const *a, Py_ssize_t na)
             }
         }
         Py_XDECREF(args);
-        if (!b64 || !e64)
-            b = e = 0;  /* such slices go through Python (lane() compares b64 ones as objects) */
         PyObject *calls = get(p, &sl_calls);
         PyObject *tc = calls == NULL ? NULL : lane(m, calls, bo, b, b64, eo, &out, sink);
         Py_XDECREF(calls);
         if (tc == NULL)
             goto error;
+        /* Zeroed only after lane(), which compares b as bo's value when b64: zeroed before it, a slice
+         * ending past int64 found a lane free at 0 instead of at b (Python opens another lane) */
+        if (!b64 || !e64)
+            b = e = 0;  /* such slices go through Python */
         PyObject *so = PySequence_GetItem(o, 2), *tw = Py_None;  /* the worker's start, or 0 */
         long long s = 0;
         Py_INCREF(tw);
@@ -855,12 +929,12 @@ static PyObject *hp_ranks(PyObject *self, PyObject *const *a, Py_ssize_t na)
         }
         int has_start = PyObject_IsTrue(so);
         if (has_start > 0)
-            has_start = PyObject_RichCompareBool(so, t_to_o, Py_LE);
+            has_start = cmp(so, t_to_o, Py_LE);
         if (has_start > 0) {
             PyObject *clamped = so;
-            int lt = PyObject_RichCompareBool(so, bo, Py_LT), gt2 = 0;
+            int lt = cmp(so, bo, Py_LT), gt2 = 0;
             if (lt == 0)
-                gt2 = PyObject_RichCompareBool(so, eo, Py_GT);
+                gt2 = cmp(so, eo, Py_GT);
             if (lt < 0 || gt2 < 0) {
                 has_start = -1;
             } else {
@@ -899,7 +973,7 @@ static PyObject *hp_ranks(PyObject *self, PyObject *const *a, Py_ssize_t na)
             (tw == Py_None || s >= TS9_LO);
         if (fast) {
             int e_true = PyObject_IsTrue(err);
-            if (!started) {  /* sink.started: once true (its clock snapshot is written) it stays so */
+            if (e_true >= 0 && !started) {  /* sink.started: once true (its clock snapshot is written) it stays so */
                 PyObject *st = PyObject_GetAttr(sink, s_started);
                 started = st == NULL ? -1 : PyObject_IsTrue(st);
                 Py_XDECREF(st);
@@ -908,6 +982,9 @@ static PyObject *hp_ranks(PyObject *self, PyObject *const *a, Py_ssize_t na)
                 fast = -1;
             else
                 fast = !e_true && !u && started;
+            if (started < 0)
+                started = 0;  /* that failure is this rank's bad event, not the sink's state: kept, the
+                               * next rank failed with no exception set (NULL: SystemError) */
         }
         if (fast > 0) {  /* ProtoSink.rank's fast path, in C */
             const char *c, *w;
@@ -976,6 +1053,8 @@ static PyObject *hp_ranks(PyObject *self, PyObject *const *a, Py_ssize_t na)
             goto error;
         Py_ssize_t nbuf = PyObject_Size(buf);
         Py_DECREF(buf);
+        if (nbuf < 0)
+            goto error;  /* not left set under the returned value */
         if (nbuf >= FLUSH_PIECES && (r = PyObject_CallMethodObjArgs(sink, s_flush, NULL)) == NULL)
             goto error;
         Py_XDECREF(r);
@@ -986,6 +1065,7 @@ static PyObject *hp_ranks(PyObject *self, PyObject *const *a, Py_ssize_t na)
     Py_XDECREF(gp);
     return Py_BuildValue("(Nnnn)", end, written, nunf, bad);
 error:
+    keep_done(m, sink, &out, bad);
     PyMem_Free(out.p);
     Py_XDECREF(item);
     Py_XDECREF(end);
@@ -1077,6 +1157,8 @@ PyMODINIT_FUNC PyInit__hotpath(void)
     INTERN(s_started, "started");
     INTERN(s_buf, "buf");
     INTERN(s_flush, "flush");
+    INTERN(s_stats, "stats");
+    INTERN(s_bad_events, "bad_events");
 #undef INTERN
     if ((i_two = PyLong_FromLong(2)) == NULL)
         return NULL;

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-VERSION = 1  # _hotpath.c's HOTPATH_VERSION this Python is written for
+VERSION = 2  # _hotpath.c's HOTPATH_VERSION this Python is written for (2: ends() returns its open group)
 
 hot = None
 if os.environ.get("CCLD_PURE_PYTHON", "") in ("", "0"):

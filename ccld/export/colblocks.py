@@ -248,10 +248,11 @@ def _ends(m: "TraceModel", agent: str, node: str, n: int, same: dict, cols: dict
     colls = m.colls
     open_, groups, expected = colls.open, colls.groups, colls.expected
     start = missing = 0
+    gk = None
     if accel.hot is not None:
-        start, missing, max_ts = accel.hot.ends(m, colls, procs, open_, groups, expected, colls.comm_job, node, seqs,
-                                                pids, ranks, tss, comm, ok, error, off,
-                                                (0, n, MAX_GROUPS, m.max_ts))
+        start, missing, max_ts, gk = accel.hot.ends(m, colls, procs, open_, groups, expected, colls.comm_job, node,
+                                                    seqs, pids, ranks, tss, comm, ok, error, off,
+                                                    (0, n, MAX_GROUPS, m.max_ts))
         if max_ts is not None:
             m.max_ts = max_ts
     max_ts = m.max_ts
@@ -259,7 +260,12 @@ def _ends(m: "TraceModel", agent: str, node: str, n: int, same: dict, cols: dict
     cur = None  # the seq of the group `items` belongs to (rows come sorted by seq: one lookup per run)
     items: list = []
     want = 0
-    gk = None
+    g = groups.get(gk) if gk is not None else None
+    if g is not None:  # the C stopped inside a run: it goes on in the same group, under the same key
+        cur, items = gk[1], g[1]
+        want = expected.get(comm)
+        if want is None:
+            want = colls._expected(comm)
     for seq, pid, rank, ts in _rows(n, start, seqs, pids, ranks, tss):
         if pid != last_pid:
             p = procs.get(pid)
