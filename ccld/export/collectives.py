@@ -78,7 +78,7 @@ class Collectives:
         gs = self.comm_size.get(comm, -1)
         world = self.worlds.get(self.comm_job.get(comm, ""), -1)
         if world > 0 and (gs < 0 or gs == world):
-            n = world if ranks is None else len(ranks & frozenset(range(world)))
+            n = world if ranks is None else sum(1 for r in ranks if r < world)  # not range(world): 2^64 in a bad store
         elif gs > 0:
             n = gs if ranks is None else len(ranks & self.comm_members.get(comm, set()))
         else:

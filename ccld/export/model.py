@@ -87,16 +87,19 @@ class TraceModel:
     def proc_track(self, p: Proc) -> Track:
         if p.track is None:
             pid = p.pid
-            if not 0 < pid < _PID_MAX:  # not a Linux pid (a damaged store): Perfetto's pid is an int32
-                pid = _PID_MAX
+            if type(pid) is not int or not 0 < pid < _PID_MAX:  # not a Linux pid (a damaged store):
+                pid = _PID_MAX                                     # Perfetto's pid is an int32
             while pid in self.used_pids:  # same pid on two nodes: Perfetto would merge them
                 pid += _PID_MAX             # above Linux's pid_max; the name keeps the real pid
                 if pid >= 1 << 31:
                     pid = pid % _PID_MAX + 1
             self.used_pids.add(pid)
-            who = f"rank {p.rank}" if p.rank >= 0 else "unknown rank"
-            name = f"{who} ({p.node}, pid {p.pid})" if p.pid > 0 else f"{who} (not seen by any agent)"
-            p.track = self.new_track(None, name, "process", pid=pid, order=p.rank, child_order=3)
+            rank = p.rank if type(p.rank) is int else -1  # a damaged store's rank: None, a bool, a string
+            who = f"rank {rank}" if rank >= 0 else "unknown rank"
+            name = f"{who} ({p.node}, pid {p.pid})" if type(p.pid) is not int or p.pid > 0 else \
+                f"{who} (not seen by any agent)"
+            order = rank if -(1 << 31) <= rank < 1 << 31 else None  # an int32 too
+            p.track = self.new_track(None, name, "process", pid=pid, order=order, child_order=3)
             p.calls = Lanes(self, p.track, "calls", 1, first_kind="thread", tid=pid)  # the rank's main thread
             p.worker = Lanes(self, p.track, "worker", 2)
             p.findings = Lanes(self, p.track, "findings", 0)

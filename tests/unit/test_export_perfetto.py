@@ -542,3 +542,37 @@ def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):
             c = calls(t_)
             assert t_.errors == [] and sorted(c) == [(r, s) for r in range(2) for s in (1, 2, 3, 10)]
             assert all(c[(r, 10)]["args"]["unfinished"] for r in range(2))
+
+
+def test_a_damaged_stores_odd_pids_ranks_and_world_size_are_drawn_not_fatal(tmp_path):
+    """Map events whose pid is a bool or None, whose rank is past int32, and a world size of 2^64-1
+    with --ranks: Perfetto's pids and orders are int32, and a world that size cannot be enumerated.
+    Each such process gets a track of its own (a synthetic pid, the real one in its name)."""
+    import msgpack
+    job = SynthJob(world=2, nodes=1)
+    job.announce(T0)
+    t = job.steps(1, 2, T0 + 1)
+    a = job.agents[0]
+    base = dict(backend="gloo", comm=job.comm, op="allreduce")
+    odd = [{"k": "rank", "pid": 7, "rank": 0, "world_size": 2 ** 64 - 1, "local_rank": 0, "node": a.node,
+            "job": "job", "ts_ns": a.mono(t)},
+           {"k": "coll", "pid": True, "rank": 0, "ts_ns": a.mono(t + 0.1), "seq": 50, **base},
+           {"k": "end", "pid": True, "rank": 0, "ts_ns": a.mono(t + 0.2), "comm": job.comm, "seq": 50},
+           {"k": "coll", "pid": None, "rank": 2 ** 40, "ts_ns": a.mono(t + 0.1), "seq": 51, **base},
+           {"k": "end", "pid": None, "rank": 2 ** 40, "ts_ns": a.mono(t + 0.2), "comm": job.comm, "seq": 51},
+           a.clock(t + 0.3).to_wire()]
+    w = StoreWriter(str(tmp_path / "s"))
+    for f in job.frames(t + 0.01):
+        w.append(f, t + 0.01)
+    w.append(msgpack.packb({"v": [1, 0], "agent": a.agent, "node": a.node, "batch": 99, "events": odd}), t + 0.5)
+    w.close()
+    for kw in ({}, {"ranks": [0]}):
+        out = tmp_path / "t.pftrace"
+        stats = export_perfetto(str(tmp_path / "s"), str(out), findings=[], **kw)
+        tr = parse(out)
+        assert tr.errors == [] and stats["bad_events"] == 0
+        names = {tr.track_name(s["track"]) for s in tr.slices}
+        assert "calls" in names
+        if not kw:
+            procs = [d.process for d in tr.tracks.values() if d.HasField("process")]
+            assert {"pid True", "pid None"} <= {p.process_name.split(", ")[-1].rstrip(")") for p in procs}
