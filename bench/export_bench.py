@@ -203,8 +203,8 @@ def report(sizes: List[Dict[str, Any]], command: str) -> str:
     lines = [
         "### Export: `ccld export` (Perfetto protobuf and Chrome JSON), streamed",
         "",
-        f"`{command}` on {machine()}, shared with other work (2 vCPUs, other sessions' tests running: wall "
-        f"times move; CPU time, user + system of the run, is the steadier figure); "
+        f"`{command}` on {machine()}, a 2-vCPU VM whose speed moves by up to 1.5x from hour to hour (CPU "
+        f"time, user + system of the run, is the steadier figure; ratios within one run compare best); "
         f"{datetime.date.today().isoformat()}. Synthetic stores: {WORLD} ranks on {NODES} nodes, a collective "
         f"every {COLL_PERIOD_S * 1000:.0f} ms (enter, start, end per rank), /proc states, losses, p2p, one frame "
         f"per node every {FRAME_S * 1000:.0f} ms; shape `blocks`: coll/start/end as column blocks (schema 1.4, "
@@ -267,7 +267,9 @@ PROFILE = (
     "slice's lanes). The Python path it replaced spent ~5 us per rank of each collective on the same work "
     "in bytecode: filing and finding its open collective, lanes, and 4 TracePackets from ~25 cached byte "
     "pieces. Memory is the same either way. With findings (`ccld export`'s default) the replay through the "
-    "detectors (`ccld diagnose`'s) comes first and dominates; `--findings FILE.jsonl` (the collector's) or "
+    "detectors (`ccld diagnose`'s) comes first and dominates (3-4x faster than on 2026-11-29, 12 -> 3 s for "
+    "the 1 M store: NCCL enters of ranks without CUPTI now take the timeline's fast path, and the clock "
+    "refinement is recomputed at most twice a second); `--findings FILE.jsonl` (the collector's) or "
     "`--no-findings` skip it, and `ccld collector --perfetto` uses the findings it made live.")
 
 
