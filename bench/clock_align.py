@@ -129,7 +129,8 @@ def main(argv=None) -> int:
                 "all-gather every ~100 ms) on a shared 2-core box. Cells: the collector's conversion minus "
                 "the truth, us (its stated uncertainty), at seconds since the node's first estimate.", "",
                 *lines, "", summary,
-                f"Run {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC."]
+                f"Run {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC: `.venv/bin/python bench/clock_align.py "
+                f"{' '.join(sys.argv[1:])}`."]
         write_section("clock-align", "\n".join(body))
     return 0
 
