@@ -120,6 +120,7 @@ class Spool:
         self.damaged_bytes = 0            # skipped at start: damaged records and torn tails
         self.damaged_regions = 0
         self.disk_errors = 0
+        self.open_errors = 0              # a segment could not be opened to read back (no fd to spare): retried
         self._problems_said = 0
 
     # ---- open / close ------------------------------------------------------------------------------
@@ -331,21 +332,40 @@ class Spool:
                     continue
                 else:
                     try:
-                        frame = os.pread(self._reader(seg), seg.lengths[i], seg.offsets[i])
+                        fd = self._reader(seg)
+                    except OSError as e:
+                        if e.errno != errno.ENOENT:  # no fd (or memory) to spare for now: lose nothing, retry
+                            self.open_errors += 1
+                            if self.open_errors == 1 or self.open_errors % 1000 == 0:
+                                log.warning("spool: cannot open %s to read it back (%s); trying again "
+                                            "(%d times so far)", seg.path, e, self.open_errors)
+                            return None
+                        log.warning("spool: %s was removed under the agent: its %d unsent frames are lost",
+                                    seg.path, len(seg) - i)
+                        for k in range(i, len(seg)):  # the whole file, once: not an open per frame
+                            if seg.start + k not in self._tail:
+                                self._lose(seg, k)
+                        continue
+                    try:
+                        frame = os.pread(fd, seg.lengths[i], seg.offsets[i])
                         if len(frame) != seg.lengths[i]:
                             raise OSError(errno.EIO, f"short read ({len(frame)} of {seg.lengths[i]} bytes)")
-                    except OSError as e:  # the file was truncated or removed under us: that frame is lost
-                        self.disk_errors += 1
-                        self.dropped_frames += 1
-                        self.dropped_events += seg.events[i]
+                    except OSError as e:  # the file was truncated under us: that frame is lost
                         log.warning("spool: cannot read back frame %d of %s: %s", i, seg.path, e)
-                        # never sent, so never acknowledged: let it go like an acknowledged one, and
-                        # pass it by, uncounted, when the cursor comes back to it (a replay)
-                        seg.batches[i] = LOST_BATCH
-                        self.send += 1
+                        self._lose(seg, i)
                         continue
             return frame, seg.events[i]
         return None
+
+    def _lose(self, seg: _Seg, i: int) -> None:
+        """Frame i of `seg` cannot be read back: counted once, and let go like an acknowledged one (never
+        sent, so never acknowledged); the cursor passes it by, uncounted, when it comes back (a replay)."""
+        if seg.batches[i] == LOST_BATCH:
+            return
+        self.disk_errors += 1
+        self.dropped_frames += 1
+        self.dropped_events += seg.events[i]
+        seg.batches[i] = LOST_BATCH
 
     def _reader(self, seg: _Seg) -> int:
         """An fd to read `seg` back with: its own while it is written, else one opened for it, closing

@@ -352,3 +352,30 @@ def test_a_crash_loop_holds_no_file_open_per_old_segment(tmp_path):
         assert open_fds() == base and segments(d) == []
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_no_descriptor_to_spare_for_a_replay_loses_nothing_and_a_removed_file_is_counted_once(tmp_path):
+    """Old segments are opened only to read a frame back. With no fd to spare at that moment (EMFILE),
+    nothing is lost: the replay waits and goes on once one is free (it used to mark every frame of
+    every closed segment lost, one failed open each). A segment removed under the agent loses its own
+    frames, counted once, and the replay goes on with the next."""
+    d = tmp_path / "spool"
+    for i in range(1, 6):  # five starts: five segments of three frames
+        s = open_spool(d)
+        fill(s, [3 * i - 2, 3 * i - 1, 3 * i])
+        kill(s)
+    s = open_spool(d)
+    s.retain = True
+    real_open = os.open
+    sp.os.open = lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EMFILE, "Too many open files"))
+    try:
+        assert s.peek() is None and s.peek() is None
+    finally:
+        sp.os.open = real_open
+    assert (s.dropped_frames, s.disk_errors, s.open_errors) == (0, 0, 2)
+    os.unlink(s._segs[1].path)  # frames 4-6 gone under the agent
+    got = drain(s)
+    assert got == [1, 2, 3] + list(range(7, 16)) and s.dropped_frames == 3
+    s.rewind()
+    assert drain(s) == [1, 2, 3] + list(range(7, 16)) and s.dropped_frames == 3  # counted once
+    s.close()
