@@ -100,10 +100,11 @@ class ClockTable:
             return self.update_sync(agent, e)
         return self.update(agent, e.mono_ns, e.wall_ns)
 
-    def arrived(self, recv_unix: float) -> None:
-        """The receive time of the frame whose ends come next (the refinement settles by it)."""
+    def arrived(self, recv_s: float) -> None:
+        """The receive time (s, never decreasing) of the frame whose ends come next: the refinement
+        settles collectives by it."""
         if self.refiner is not None:
-            self.refiner.now = recv_unix
+            self.refiner.arrived(recv_s)
 
     def observe_end(self, agent: str, e: ev.WorkEnd) -> None:
         """A collective's end in one rank: a synchronization point for the refinement."""

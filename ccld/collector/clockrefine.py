@@ -78,14 +78,13 @@ class JobClockRefiner:
     def __init__(self, base_ns: Callable[[str, int], Optional[int]], source: Callable[[str], str],
                  uncertainty_ns: Callable[[str], int], apply: Callable[[Dict[str, tuple]], None]):
         self.base_ns, self.source, self.uncertainty_ns, self.apply = base_ns, source, uncertainty_ns, apply
-        # (comm, seq) -> agent -> its ranks' end times (base Unix ns), oldest first
         # (comm, seq) -> (receive time of its first end or None, agent -> its ranks' end times), oldest first
         self.groups: "collections.OrderedDict[Tuple[str, int], Tuple[Optional[float], Dict[str, List[int]]]]" = \
             collections.OrderedDict()
-        self.now: Optional[float] = None  # receive time (Unix s) of the frame being read; None: not known
+        self.now: Optional[float] = None  # receive time (s) of the frame being read (arrived); None: not known
+        self.moving = False               # receive times have changed since the first (else: settle by count)
         self.entries = 0                  # (agent, collective) entries in groups
         self.last_update: Optional[float] = None
-        self._first_now: Optional[float] = None
         self.ref: Optional[str] = None
         self.resid: Dict[str, Deque[int]] = {}
         self.sources: Dict[str, str] = {}
@@ -114,15 +113,12 @@ class JobClockRefiner:
             self.entries += 1
         ends.append(t)
 
-    def _moving(self) -> bool:
-        """Whether receive times are known and have changed since the first (frames stamped alike, as
-        tests and synthetic stores do, settle by count)."""
-        now = self.now
-        if now is None:
-            return False
-        if self._first_now is None:
-            self._first_now = now
-        return now != self._first_now
+    def arrived(self, now: float) -> None:
+        """The receive time (s, never decreasing) of the frame whose ends come next. Until it has
+        changed once, collectives settle by count (tests and synthetic stores stamp frames alike)."""
+        if self.now is not None and now != self.now:
+            self.moving = True
+        self.now = now
 
     def _settle(self) -> None:
         """Read the collectives that waited long enough (SETTLE_S of receive time, or SETTLE_GROUPS
@@ -130,7 +126,7 @@ class JobClockRefiner:
         groups, now = self.groups, self.now
         while groups:
             first = next(iter(groups.values()))[0]
-            if self._moving() and first is not None:
+            if self.moving and first is not None:
                 settled = now - first >= SETTLE_S
             else:  # receive time unknown, or the same for every frame so far: count
                 settled = len(groups) >= SETTLE_GROUPS
@@ -149,6 +145,12 @@ class JobClockRefiner:
             got[1][agent].extend(base_ns[1:])
 
     def _forget(self, agent: str) -> None:
+        """`agent`'s base timebase changed (its first round-trip estimate, say): its residuals, and its
+        ends still waiting in collectives (up to SETTLE_S of them: at 1,000+ collectives a second they
+        would fill the whole WINDOW), were measured on the old one."""
+        for _, g in self.groups.values():
+            if g.pop(agent, None) is not None:
+                self.entries -= 1
         if agent == self.ref:
             self.ref = None
             self.resid.clear()
@@ -172,7 +174,7 @@ class JobClockRefiner:
             if a != self.ref:
                 self.resid.setdefault(a, collections.deque(maxlen=WINDOW)).append(int(_median(ends) - m_ref))
         self.used += 1
-        if self.used % UPDATE_EVERY == 0 and (not self._moving() or self.last_update is None
+        if self.used % UPDATE_EVERY == 0 and (not self.moving or self.last_update is None
                                               or not 0 <= self.now - self.last_update < UPDATE_MIN_S):
             self.last_update = self.now
             self.update()

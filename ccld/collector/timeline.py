@@ -159,6 +159,8 @@ class Timeline:
         self.p2p_counts: collections.Counter = collections.Counter()
         self._pending: Dict[str, Deque[Tuple[str, ev.Event]]] = {}
         self.last_recv: Optional[float] = None
+        self._recv_prev: Optional[float] = None  # the last frame's receive time, and the forward-only sum
+        self._recv_s = 0.0                      # of the steps between them (clock.arrived)
 
     # ---- ingest ---------------------------------------------------------------------------------
 
@@ -181,7 +183,12 @@ class Timeline:
             self.anomalies["agent-restart"] += 1  # numbering started over: a new agent process
         info["last_batch"] = batch.batch
         self.last_recv = recv_unix if self.last_recv is None else max(self.last_recv, recv_unix)
-        self.clock.arrived(self.last_recv)  # never backwards: the refinement settles collectives by it
+        # Receive time that only moves forward, even across a step back of the collector's wall clock
+        # (max() would stand still that long): the clock refinement settles collectives by it.
+        if self._recv_prev is not None and recv_unix > self._recv_prev:
+            self._recv_s += recv_unix - self._recv_prev
+        self._recv_prev = recv_unix
+        self.clock.arrived(self._recv_s)
         prepared: Dict[Block, Any] = {}
         for e in in_order(batch.plain, batch.blocks):
             if type(e) is tuple:  # a run of a column block: rows i:j, all of one collective
@@ -376,7 +383,7 @@ class Timeline:
         elif isinstance(e, ev.LossCounters):
             self.agent_loss[agent] = dict(e.counters)  # cumulative: the latest replaces the previous
         elif isinstance(e, ev.ProbeStatus):
-            if e.family == "cupti":
+            if e.family == "cupti" and e.ok:
                 self.gpu.note_capture(node, e.pid)
             self.probes[(node, e.pid, e.family)] = {"ok": e.ok, "target": e.target, "attached": e.attached,
                                                     "message": e.message, "at": t}

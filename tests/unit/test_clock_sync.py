@@ -201,3 +201,32 @@ def test_collectives_faster_than_the_frames_still_refine_the_clocks():
     errs = {a: job.error_ns(a, UNIX + 2_000_000_000) for a in job.err}
     assert abs(errs["n0"] - errs["n1"]) < 6_000, errs  # were 50 us apart
     assert len(updates) <= 4 / clockrefine.UPDATE_MIN_S + 1
+
+
+def test_a_nodes_ends_from_before_its_first_round_trip_estimate_are_not_used_after_it():
+    """A node converting with its wall clock (5 ms off) until its first round-trip estimate: its ends
+    still waiting in collectives when the estimate comes were measured on the old timebase; at a high
+    rate they would be the whole window of residuals after the switch and pull it 5 ms off."""
+    job = Job({"n0": 0, "n1": 5_000_000}, {"n0": 40_000, "n1": 40_000}, wall=("n1",))
+    refiner = job.clock.refiner
+    job.clock.arrived(0.0)
+    job.clock.arrived(0.01)  # receive time moves: collectives settle by it (1 s), so these all wait
+    for seq in range(300):
+        job.collective(seq, UNIX + seq * 500_000)
+    assert sum("n1" in g for _, g in refiner.groups.values()) == 300
+    job.clock.update_sync("n1", sync(UNIX - job.boot["n1"], unc=40_000))  # a good estimate at last
+    job.collective(300, UNIX + 300 * 500_000)
+    assert [k for k, (_, g) in refiner.groups.items() if "n1" in g] == [("j/gloo:0", 300)]
+    assert refiner.entries == sum(len(g) for _, g in refiner.groups.values())
+
+
+def test_the_refinements_receive_time_moves_on_across_a_wall_clock_step_back():
+    """The collector's wall clock stepping back 60 s must not hold every collective waiting for 60 s
+    (with max() of receive times it did: the refinement stood still that long)."""
+    tl = Timeline()
+    seen = []
+    for k, recv in enumerate([100.0, 100.5, 40.0, 40.5, 41.0], start=1):
+        tl.ingest(ev.decode_batch(ev.encode_batch("a0", "n0", k, [ev.ClockSample(mono_ns=k, wall_ns=UNIX, ts_ns=k)])),
+                  recv)
+        seen.append(tl.clock.refiner.now)
+    assert seen == [0.0, 0.5, 0.5, 1.0, 1.5] and tl.clock.refiner.moving
