@@ -84,7 +84,7 @@ class GpuJoin:
     def on_enter(self, node: str, e: ev.CollEnter) -> None:
         """A CollEnter the timeline accepted (it is in its collective's view)."""
         if e.backend != "nccl" or e.tid <= 0 or (node, e.pid) not in self.capture:
-            return  # only NCCL collectives of a rank with CUPTI capture run kernels we see; tid 0: the probe did not say
+            return  # only NCCL calls of a rank with CUPTI capture run kernels we see; tid 0: the probe did not say
         rec = self.tl.ranks.get((node, e.pid))
         rank = e.rank if e.rank >= 0 else (rec.rank if rec is not None else -1)
         view = self._view(e.comm, e.seq)

@@ -328,6 +328,9 @@ class Agent:
                                        ts_ns=time.monotonic_ns()))
         for r in list(self.ranks.values()):
             self.shipper.put(self._rank_info(r))
+        if self.cupti_sink is not None:
+            for e in self.cupti_sink.announce():
+                self.shipper.put(e)
 
     def _sample_nic(self) -> None:
         if not self.nic.present():

@@ -18,7 +18,7 @@ import collections
 import shutil
 import tempfile
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import msgpack
 import zmq
@@ -132,6 +132,15 @@ class CuptiSink:
         if last is not None and n > last + 1:
             self.counters["msgs_lost"] += n - last - 1  # dropped by the shim's bound or ZeroMQ's
         self._last_n[pid] = n  # n <= last: a new process that reused the pid; numbering starts over
+
+    def announce(self) -> List[ev.ProbeStatus]:
+        """The capture state of every rank whose shim is on, said again (the agent's periodic
+        announcement): the shim says it once, at the rank's start, and a collector that restarted since
+        (or lost that frame) would not keep the rank's NCCL enters for its kernels."""
+        now = self.mono_ns()
+        return [ev.ProbeStatus(pid=pid, family="cupti", ok=True, ts_ns=now, target="libcupti",
+                               message="CUPTI capture on (said again)")
+                for pid, state in list(self.ranks_on.items()) if state == "on"]
 
     def _status(self, pid: int, rank: int, status: Dict[str, Any], now: int) -> None:
         state = status.get("state")

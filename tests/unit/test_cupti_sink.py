@@ -135,3 +135,14 @@ def test_bye_marks_the_rank_done(sink):
     sink.handle(msg(n=2, status={"state": "bye"}))
     assert sink.ranks_on[100] == "bye"
     assert [e.ok for e in sink.got if isinstance(e, ev.ProbeStatus)] == [True]  # bye is no probe status
+
+
+def test_ranks_with_capture_on_are_announced_again(sink):
+    """The agent says every 10 s what a restarted collector must relearn: which ranks capture (the shim
+    says it once, at start; without it a collector keeps none of the rank's NCCL enters for kernels)."""
+    sink.handle(msg(n=1, pid=100, status={"state": "on"}))
+    sink.handle(msg(n=1, pid=101, status={"state": "off", "message": "no CUPTI"}))
+    sink.handle(msg(n=1, pid=102, status={"state": "on"}))
+    sink.handle(msg(n=2, pid=102, status={"state": "bye"}))
+    again = sink.announce()
+    assert [(e.pid, e.family, e.ok) for e in again] == [(100, "cupti", True)]
