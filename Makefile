@@ -43,4 +43,4 @@ bench-long: setup
 	$(VENV)/bin/python bench/clock_align.py --write-results
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache build ccld/export/_hotpath*.so

@@ -12,9 +12,15 @@ if [[ "${CCLD_SKIP_APT:-0}" != 1 ]]; then
   # libibverbs1: the RDMA probe test drives the real library (no device needed); libibverbs-dev: its
   # <infiniband/verbs.h>, against which a unit test checks the struct offsets rdma.bpf.c reads
   # tmux: the test that drives `ccld top` in a real terminal; systemd: `systemd-analyze verify` of deploy/systemd
-  # gcc, libc6-dev, python3-dev: build the export's C accelerator (ccld/export/_hotpath.c; without them it runs in Python)
   pkgs=(python3-bpfcc linux-headers-amd64 bpftool iproute2 iptables procps python3-venv chromium
-        libibverbs1 libibverbs-dev tmux systemd gcc libc6-dev python3-dev)
+        libibverbs1 libibverbs-dev tmux systemd)
+  # gcc, libc6-dev, python3-dev build the export's C accelerator (ccld/export/_hotpath.c); without them
+  # it runs in Python, so without root they are only asked for, not required
+  optional=(gcc libc6-dev python3-dev)
+  for p in "${optional[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 && continue
+    if [[ $(id -u) == 0 ]]; then pkgs+=("$p"); else say "optional: $p is missing (the export's C accelerator needs it)"; fi
+  done
   missing=()
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   if ((${#missing[@]})); then
@@ -43,4 +49,6 @@ if [[ -d /usr/lib/python3/dist-packages/bcc && ! -e "$site/bcc" ]]; then
   ln -s /usr/lib/python3/dist-packages/bcc "$site/bcc"
 fi
 .venv/bin/python -c 'import bcc' 2>/dev/null && say "bcc importable in .venv" || say "bcc NOT importable (eBPF sources will be off)"
+.venv/bin/python -c 'from ccld.export import accel; assert accel.hot' 2>/dev/null && say "export accelerator built" \
+  || say "export accelerator NOT built (no C compiler or Python headers?): ccld export runs in Python"
 say "done: .venv/bin/ccld is ready"
