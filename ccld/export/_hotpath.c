@@ -719,6 +719,9 @@ static void keep_done(PyObject *m, PyObject *sink, Out *out, Py_ssize_t bad)
 }
 
 #define HOTPATH_VERSION 2  /* accel.py takes this module only with the interface it was written for */
+#ifndef HOTPATH_SOURCE_SHA256
+#define HOTPATH_SOURCE_SHA256 ""  /* setup.py defines it: this file's SHA-256, for accel.py's staleness check */
+#endif
 #define TS9_LO (1LL << 56)  /* timestamps in [2^56, 2^63) have 9-byte varints: ProtoSink.rank's fast path */
 #define MAX_EVENT 4064      /* protobuf._MAX_PRE + 64: the event lengths ProtoSink's packet heads cover */
 #define FLUSH_PIECES 256   /* pieces in ProtoSink.buf, a group's ranks each (~4 KiB), before a flush */
@@ -1163,7 +1166,8 @@ PyMODINIT_FUNC PyInit__hotpath(void)
     if ((i_two = PyLong_FromLong(2)) == NULL)
         return NULL;
     PyObject *mod = PyModule_Create(&module);
-    if (mod != NULL && PyModule_AddIntConstant(mod, "VERSION", HOTPATH_VERSION) < 0)
+    if (mod != NULL && (PyModule_AddIntConstant(mod, "VERSION", HOTPATH_VERSION) < 0 ||
+                        PyModule_AddStringConstant(mod, "SOURCE_SHA256", HOTPATH_SOURCE_SHA256) < 0))
         Py_CLEAR(mod);
     return mod;
 }

@@ -519,3 +519,18 @@ def test_random_stores_export_alike(tmp_path, monkeypatch, first):
             got = export_both(d / "s", d, fmt, **kw)
         assert got["c"][1] == got["python"][1], (seed, kw, fmt, small)
         assert got["c"][0] == got["python"][0], (seed, kw, fmt, small)
+
+
+def test_a_module_built_from_another_source_is_not_used():
+    """accel refuses a _hotpath module whose built-in SHA-256 is not that of the _hotpath.c beside it
+    (an edit or a pull without `make setup`): a stale module would export with yesterday's rules."""
+    import hashlib
+    import types
+    src = os.path.join(os.path.dirname(accel.__file__), "_hotpath.c")
+    with open(src, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    assert not accel._stale(types.SimpleNamespace(SOURCE_SHA256=sha))
+    assert accel._stale(types.SimpleNamespace(SOURCE_SHA256="0" * 64))
+    assert accel._stale(types.SimpleNamespace())  # built before the hash was built in
+    if accel.hot is not None:
+        assert accel.hot.SOURCE_SHA256 == sha
