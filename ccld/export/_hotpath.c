@@ -126,6 +126,26 @@ static int cmp(PyObject *a, PyObject *b, int op)
     }
 }
 
+/* Whether a call got `want` arguments; a TypeError naming `fn` when not. */
+static int nargs(const char *fn, Py_ssize_t na, Py_ssize_t want)
+{
+    if (na == want)
+        return 1;
+    PyErr_Format(PyExc_TypeError, "%s: %zd arguments", fn, want);
+    return 0;
+}
+
+/* The n ints of tuple t as int64s (a loop's start, end, bound and max_ts); 0 when it is not that. */
+static int int64s(PyObject *t, long long *out, Py_ssize_t n)
+{
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != n)
+        return 0;
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (!i64(PyTuple_GET_ITEM(t, k), &out[k]))
+            return 0;
+    return 1;
+}
+
 /* Row i of a column: a list, or one shared value for every row. */
 static inline PyObject *cell(PyObject *col, Py_ssize_t i)
 {
@@ -247,18 +267,15 @@ static int row_head(PyObject *m, PyObject *procs, PyObject *node, PyObject *pids
 /* _colls: enter rows [start, n). Returns (index stopped at, duplicate enters, max_ts). */
 static PyObject *hp_colls(PyObject *self, PyObject *const *a, Py_ssize_t na)
 {
-    if (na != 15) {
-        PyErr_SetString(PyExc_TypeError, "colls: 15 arguments");
+    if (!nargs("colls", na, 15))
         return NULL;
-    }
     PyObject *m = a[0], *colls = a[1], *procs = a[2], *open_ = a[3], *node = a[4];
     PyObject *seqs = a[5], *pids = a[6], *ranks = a[7], *tss = a[8], *tids = a[9];
     PyObject *args = a[10], *comm = a[11], *op = a[12];
-    long long off, max_ts, start, n, max_open;
-    if (!i64(a[13], &off) || !PyTuple_Check(a[14]) || PyTuple_GET_SIZE(a[14]) != 4 ||
-        !i64(PyTuple_GET_ITEM(a[14], 0), &start) || !i64(PyTuple_GET_ITEM(a[14], 1), &n) ||
-        !i64(PyTuple_GET_ITEM(a[14], 2), &max_open) || !i64(PyTuple_GET_ITEM(a[14], 3), &max_ts))
+    long long off, bounds[4];  /* start, n, MAX_OPEN, max_ts */
+    if (!i64(a[13], &off) || !int64s(a[14], bounds, 4))
         return Py_BuildValue("(nnO)", (Py_ssize_t)0, (Py_ssize_t)0, Py_None);
+    long long start = bounds[0], n = bounds[1], max_open = bounds[2], max_ts = bounds[3];
     PyObject *last_pid = NULL, *p = NULL;
     Py_ssize_t i = start, dups = 0;
     for (; i < n; i++) {
@@ -368,10 +385,8 @@ static PyObject *lookup_key(PyObject **scratch, PyObject *p, PyObject *comm, PyO
 /* _starts: start rows [start, n). Returns (index stopped at, starts without an enter). */
 static PyObject *hp_starts(PyObject *self, PyObject *const *a, Py_ssize_t na)
 {
-    if (na != 9) {
-        PyErr_SetString(PyExc_TypeError, "starts: 9 arguments");
+    if (!nargs("starts", na, 9))
         return NULL;
-    }
     PyObject *procs = a[0], *open_ = a[1], *seqs = a[2], *pids = a[3], *tss = a[4], *comm = a[5];
     long long off, start, n;
     if (!i64(a[6], &off) || !i64(a[7], &start) || !i64(a[8], &n))
@@ -428,18 +443,15 @@ error:
  * writes it). */
 static PyObject *hp_ends(PyObject *self, PyObject *const *a, Py_ssize_t na)
 {
-    if (na != 17) {
-        PyErr_SetString(PyExc_TypeError, "ends: 17 arguments");
+    if (!nargs("ends", na, 17))
         return NULL;
-    }
     PyObject *m = a[0], *colls = a[1], *procs = a[2], *open_ = a[3], *groups = a[4], *expected = a[5];
     PyObject *comm_job = a[6], *node = a[7], *seqs = a[8], *pids = a[9], *ranks = a[10], *tss = a[11];
     PyObject *comm = a[12], *ok = a[13], *error = a[14];
-    long long off, start, n, max_groups, max_ts;
-    if (!i64(a[15], &off) || !PyTuple_Check(a[16]) || PyTuple_GET_SIZE(a[16]) != 4 ||
-        !i64(PyTuple_GET_ITEM(a[16], 0), &start) || !i64(PyTuple_GET_ITEM(a[16], 1), &n) ||
-        !i64(PyTuple_GET_ITEM(a[16], 2), &max_groups) || !i64(PyTuple_GET_ITEM(a[16], 3), &max_ts))
+    long long off, bounds[4];  /* start, n, MAX_GROUPS, max_ts */
+    if (!i64(a[15], &off) || !int64s(a[16], bounds, 4))
         return Py_BuildValue("(nnOO)", (Py_ssize_t)0, (Py_ssize_t)0, Py_None, Py_None);
+    long long start = bounds[0], n = bounds[1], max_groups = bounds[2], max_ts = bounds[3];
     PyObject *last_pid = NULL, *p = NULL, *cur = NULL, *gk = NULL, *items = NULL, *scratch = NULL;
     long long want = 0;
     Py_ssize_t i = start, missing = 0;
@@ -814,10 +826,8 @@ static PyObject *lane(PyObject *m, PyObject *lanes, PyObject *bo, long long b, i
  * unfinished ranks, bad events); exceptions in sink_errors count as bad events, as in Python. */
 static PyObject *hp_ranks(PyObject *self, PyObject *const *a, Py_ssize_t na)
 {
-    if (na != 12) {
-        PyErr_SetString(PyExc_TypeError, "ranks: 12 arguments");
+    if (!nargs("ranks", na, 12))
         return NULL;
-    }
     PyObject *m = a[0], *sink = a[1], *items = a[3], *roles = a[4], *seq = a[5], *comm = a[6];
     PyObject *fid = a[7], *t_to_o = a[8], *sink_errors = a[9], *new_flow = a[10], *slice_flow = a[11];
     int proto = PyObject_IsTrue(a[2]);  /* sink is a ProtoSink: C encodes its common slices */
@@ -1085,10 +1095,8 @@ static PyObject *hp_comm(PyObject *self, PyObject *const *a, Py_ssize_t na)
 {
     static const char keys[4][3] = {{0x08, 0x0a, 0x20}, {0x08, 0x0b, 0x20}, {0x08, 0x0c, 0x20},
                                     {0x08, 0x0d, 0x20}};  /* name_iid 10..13 (protobuf._FIXED_KEYS), int_value */
-    if (na != 9) {
-        PyErr_SetString(PyExc_TypeError, "comm: 9 arguments");
+    if (!nargs("comm", na, 9))
         return NULL;
-    }
     PyObject *sink = a[0], *out_t = a[1], *w = a[2];
     long long b, e, v[4];
     if (!PyBytes_Check(w) || !i64(a[3], &b) || !i64(a[4], &e) || b < TS9_LO || e < TS9_LO)

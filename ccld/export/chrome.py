@@ -16,7 +16,7 @@ import json
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from ccld.export.perfetto import run_export
-from ccld.export.tracks import Track
+from ccld.export.tracks import Track, comm_args
 
 _BP = ',"bp":"e"'  # a terminating flow event binds to the slice that encloses it
 PSEUDO_PID = 1 << 30  # pids for the `communicators` and `ccld` groups, above any real or shifted pid
@@ -176,13 +176,7 @@ class ChromeSink:
     def comm(self, t: Track, b: int, e: int, op: str, seq: int, comm: str, ranks: int, first_rank: int,
              last_rank: int, spread_us: int, partial: bool, unfinished: int) -> None:
         """A collective on its communicator's track (as protobuf.ProtoSink.comm)."""
-        args = [("seq", seq), ("comm", comm), ("ranks", ranks), ("first_rank", first_rank),
-                ("last_rank", last_rank), ("arrival_spread_us", spread_us)]
-        if partial:
-            args.append(("partial", True))
-        if unfinished:
-            args.append(("unfinished", unfinished))
-        self.slice(t, b, e, op, args)
+        self.slice(t, b, e, op, comm_args(seq, comm, ranks, first_rank, last_rank, spread_us, partial, unfinished))
 
     def work(self, t: Track, b: int, e: int, op: str, seq: int, comm: str, unfinished: bool) -> None:
         args = f'"seq":{int(seq)},"comm":{self._s(comm)}' + (',"unfinished":true' if unfinished else "")

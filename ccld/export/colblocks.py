@@ -263,9 +263,7 @@ def _ends(m: "TraceModel", agent: str, node: str, n: int, same: dict, cols: dict
     g = groups.get(gk) if gk is not None else None
     if g is not None:  # the C stopped inside a run: it goes on in the same group, under the same key
         cur, items = gk[1], g[1]
-        want = expected.get(comm)
-        if want is None:
-            want = colls._expected(comm)
+        want = colls.want(comm)
     for seq, pid, rank, ts in _rows(n, start, seqs, pids, ranks, tss):
         if pid != last_pid:
             p = procs.get(pid)
@@ -293,9 +291,7 @@ def _ends(m: "TraceModel", agent: str, node: str, n: int, same: dict, cols: dict
                 if comm not in colls.comm_job and p.job:
                     colls.comm_job[comm] = p.job
             items = g[1]
-            want = expected.get(comm)
-            if want is None:
-                want = colls._expected(comm)
+            want = colls.want(comm)
             cur = seq
         items.append((b, ts, p, o, ok, error, False))
         if want and len(items) >= want:

@@ -72,6 +72,11 @@ class Collectives:
             self.comm_job.setdefault(comm, job)
         self.expected.pop(comm, None)
 
+    def want(self, comm: str) -> int:
+        """How many ranks each collective of `comm` waits for (the cache, else _expected)."""
+        n = self.expected.get(comm)
+        return self._expected(comm) if n is None else n
+
     def _expected(self, comm: str) -> int:
         """How many (selected) ranks take part in each collective of `comm`; 0 when unknown."""
         ranks = self.m.ranks
@@ -114,9 +119,7 @@ class Collectives:
                 self.comm_job[comm] = p.job
         items = g[1]
         items.append((o[0], end, p, o, ok, error, unfinished))
-        want = self.expected.get(comm)
-        if want is None:
-            want = self._expected(comm)
+        want = self.want(comm)
         if want and len(items) >= want:
             del groups[gk]
             self.flush_group(gk, items, True)
@@ -253,5 +256,4 @@ class Collectives:
             self.ended(key[0], key[1], key[2], o, end, False, "no end seen before the recording stopped", True)
         for gk in list(self.groups):
             items = self.groups.pop(gk)[1]
-            self.flush_group(gk, items, len(items) >= (self.expected.get(gk[0]) or self._expected(gk[0]) or
-                                                      1 << 30))
+            self.flush_group(gk, items, len(items) >= (self.want(gk[0]) or 1 << 30))

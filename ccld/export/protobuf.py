@@ -20,7 +20,7 @@ import struct
 from typing import Any, Dict, List, Optional
 
 from ccld.export import accel
-from ccld.export.tracks import Track
+from ccld.export.tracks import Track, comm_args
 
 
 def _uv(n: int) -> bytes:
@@ -391,13 +391,8 @@ class ProtoSink:
         """A collective on its communicator's track: first rank's enter to the last end (args seq, comm,
         ranks, first_rank, last_rank, arrival_spread_us; partial and unfinished when so)."""
         if partial or unfinished or self.g[:3] != (op, seq, comm) or not self.started:
-            args = [("seq", seq), ("comm", comm), ("ranks", ranks), ("first_rank", first_rank),
-                    ("last_rank", last_rank), ("arrival_spread_us", spread_us)]
-            if partial:
-                args.append(("partial", True))
-            if unfinished:
-                args.append(("unfinished", unfinished))
-            self.slice(t, b, e, op, args)
+            self.slice(t, b, e, op, comm_args(seq, comm, ranks, first_rank, last_rank, spread_us, partial,
+                                              unfinished))
             return
         w = self.gp[3]  # name, comm and seq, as a worker slice has them
         hot = accel.hot

@@ -67,6 +67,18 @@ class Lanes:
         return t
 
 
+def comm_args(seq: int, comm: str, ranks: int, first_rank: int, last_rank: int, spread_us: int,
+              partial: bool, unfinished: int) -> List[tuple]:
+    """The args of a collective's slice on its communicator's track, as every sink writes them."""
+    args = [("seq", seq), ("comm", comm), ("ranks", ranks), ("first_rank", first_rank),
+            ("last_rank", last_rank), ("arrival_spread_us", spread_us)]
+    if partial:
+        args.append(("partial", True))
+    if unfinished:
+        args.append(("unfinished", unfinished))
+    return args
+
+
 class Proc:
     """A traced process (node, pid) and its tracks, made when first needed. sched_ts/sched_runq: its
     latest SchedStats (time, cumulative runqueue ns), the base of the next runqueue-wait sample."""

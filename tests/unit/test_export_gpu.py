@@ -198,11 +198,17 @@ def test_stream_tracks_kernels_and_links(tmp_path, shape):
     assert [x["value"] for x in loss] == [3]
 
 
-def test_chrome_json_has_the_stream_threads_and_kernel_flows(tmp_path):
+def healthy_store(path):
+    """A GpuJob of N_COLL collectives with their kernels, written as column blocks at `path`."""
     job = GpuJob()
     for seq in range(1, N_COLL + 1):
         job.collective(seq)
-    job.write(tmp_path / "s", "blocks")
+    job.write(path, "blocks")
+    return path
+
+
+def test_chrome_json_has_the_stream_threads_and_kernel_flows(tmp_path):
+    healthy_store(tmp_path / "s")
     out = tmp_path / "t.json"
     export_chrome(str(tmp_path / "s"), str(out), findings=[])
     evs = json.loads(out.read_text())["traceEvents"]

@@ -58,11 +58,8 @@ def test_trace_processor_reads_it(tmp_path):
 @pytest.mark.perfetto_tp
 def test_trace_processor_sees_gpu_streams_and_kernel_flows(tmp_path):
     from perfetto.trace_processor import TraceProcessor, TraceProcessorConfig
-    from test_export_gpu import N_COLL, WORLD, GpuJob
-    job = GpuJob()
-    for seq in range(1, N_COLL + 1):
-        job.collective(seq)
-    job.write(tmp_path / "s", "blocks")
+    from test_export_gpu import N_COLL, WORLD, healthy_store
+    healthy_store(tmp_path / "s")
     out = tmp_path / "t.pftrace"
     export_perfetto(str(tmp_path / "s"), str(out), findings=[])
     tp = TraceProcessor(trace=str(out), config=TraceProcessorConfig(bin_path=BINARY))
