@@ -1,13 +1,19 @@
-"""Diagnosis accuracy and cost: the fault-injection scenarios run N times and scored, and the
-detectors' tick over synthetic timelines of 1,024 / 4,096 / 16,384 ranks.
+"""Diagnosis accuracy and cost: every registered fault scenario run N times and scored strictly,
+healthy running as false findings per hour, and the detectors' tick over synthetic timelines of
+1,024 / 4,096 / 16,384 ranks.
 
-Accuracy (tests/e2e/fault_scenarios.py, real 4-rank gloo jobs under `ccld run`, root + eBPF + torch):
-per scenario, the detection rate (the expected class found within its deadline: hangs 15 s after the
-fault, slowdowns 60 s), top-1 culprit accuracy (the first such finding names exactly the culprit
-ranks), the time from the fault to that finding (p50 / p90), and findings that are neither the
-expected one nor informational; false findings per hour of healthy run (a DDP job and the 20 s
-checkpoint pause). Culprits are exact: the killed rank alone (not the ranks its launcher stops after
-it), the rank with the odd tensor size alone (not the rank gloo aborts because of it).
+Accuracy (tests/e2e/scenarios.py's registry: real jobs under `ccld run` or across simulated nodes,
+one fault each, root + eBPF + torch): each scenario N times (--runs), scored by scenarios.judge: a
+run is correct only when its first hang or slow finding (informational ones excluded) has the
+expected class, names exactly the culprit ranks (or exactly the link) and came within the deadline
+(hangs 15 s, slowdowns 60 s from the onset). Per scenario: runs, correct (top-1 strict) with its 95 %
+Wilson interval, detection rate (a finding of the expected class within the deadline, whatever it
+named), onset -> first finding p50 / p90, false findings (every other hang or slow finding). Jobs
+that serve several scenarios (a healthy phase, then a fault) run once per run for all of them.
+Healthy running: the healthy scenarios (pauses, checkpoints, a batch change, an elastic restart, a
+multi-node baseline) and, with --healthy-s S, a run of S seconds of each workload without a fault
+(DDP, bare collectives, GPipe, 1F1B, FSDP-style, torch FSDP2, hybrid: 7 workloads, so --healthy-s 600
+is 70 minutes): false findings per hour, with their classes.
 Tick cost: Diagnoser.diagnose() (hangs, inconsistent, comp-slow, comm-slow localiser, pauses) on an
 in-process Timeline fed with Batch objects (no ZeroMQ, no MessagePack: bench/collector_scale.py
 measures those): the world communicator plus one 8-rank communicator per node, HISTORY collectives
@@ -15,15 +21,18 @@ each, one rank late at every world collective, then one new collective per commu
 ticks; the last ticks with a world collective left open by one missing rank (a hang being judged).
 Times are this machine's, on its shared 2 vCPUs: floors for a dedicated collector.
 
-    .venv/bin/python bench/accuracy.py --quick [--write-results]        # each scenario once, 2-min healthy run
-    .venv/bin/python bench/accuracy.py --runs 5 --healthy-s 600 [--write-results]
-    .venv/bin/python bench/accuracy.py --runs 5 --scenarios killed,size --no-tick [--write-results]
+    .venv/bin/python bench/accuracy.py --runs 1 --no-tick --lock /tmp/ccld-heavy.lock   # each scenario once
+    .venv/bin/python bench/accuracy.py --runs 10 --healthy-s 600 --no-tick [--write-results]
+    .venv/bin/python bench/accuracy.py --runs 5 --scenarios pp-io,hybrid-io --no-tick [--write-results]
     .venv/bin/python bench/accuracy.py --tick-only [--ranks 1024,4096,16384] [--write-results]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gc
+import json
 import os
 import platform
 import statistics
@@ -32,9 +41,10 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0]
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 
 from ccld import events as ev  # noqa: E402
@@ -58,99 +68,160 @@ def pct(xs: List[float], q: float) -> Optional[float]:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def score(name: str, results: List[Any], deadline: float) -> Dict[str, Any]:
-    lat, detected, top1, others = [], 0, 0, 0
-    for r in results:
-        f = r.first()
-        if f is not None and r.latency() is not None and r.latency() <= deadline:
-            detected += 1
-            lat.append(r.latency())
-            if f["ranks"] and set(f["ranks"]) <= set(r.culprits) and len(f["ranks"]) == len(r.culprits or [0]):
-                top1 += 1
-            elif r.expect_class == "not-entered" and set(f["ranks"]) <= set(r.culprits):
-                top1 += 1  # a deadlock: each communicator's finding names one of the two culprits
-        others += len(r.false_findings())
-    return {"name": name, "runs": len(results), "detected": detected, "top1": top1,
-            "p50": pct(lat, 0.5), "p90": pct(lat, 0.9), "others": others,
-            "ran_s": sum(r.ran_s for r in results)}
+@contextlib.contextmanager
+def held(path: Optional[str]):
+    """flock(path) around one job: the machine's heavy-run lock, taken per job, not for the whole run."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_accuracy(runs: int, healthy_s: float, say, only: Optional[List[str]] = None) -> Dict[str, Any]:
-    import fault_scenarios as fs
-    plan = [("not-entered: rank sleeps before a collective", "not-entered", fs.sleeping_rank, fs.HANG_DEADLINE_S),
-            ("fault: rank SIGSTOPped", "stopped", fs.stopped_rank, fs.HANG_DEADLINE_S),
-            ("fault: rank SIGKILLed mid-run", "killed", fs.killed_rank, fs.HANG_DEADLINE_S),
-            ("inconsistent: all_gather vs all_reduce", "inconsistent", fs.wrong_op, fs.HANG_DEADLINE_S),
-            ("inconsistent: a rank's tensor twice the size", "size", fs.wrong_size, fs.HANG_DEADLINE_S),
-            ("not-entered: subgroups deadlocked", "deadlock", fs.subgroup_deadlock, fs.HANG_DEADLINE_S),
-            ("comp-slow: +40 ms compute per step (DDP)", "comp-slow", fs.slow_compute, fs.SLOW_DEADLINE_S),
-            ("comp-slow: CPU hog on the rank's core", "contention", fs.cpu_contention, fs.SLOW_DEADLINE_S)]
-    rows, healthy_h, healthy_false, pause_hangs, pauses, bad = [], 0.0, 0, 0, 0, []
-    for title, key, fn, deadline in plan:
-        if only and key not in only:
-            continue
-        got = []
-        for i in range(runs):
-            s = fs.Session(tempfile.mkdtemp(prefix=f"ccld-acc-{key}-"))
-            try:
-                got.append(fn(s))
-            except AssertionError as e:  # the job never got to the fault: a failed run, not a miss
-                say(f"{key} run {i + 1}: setup failed: {str(e).splitlines()[0]}")
-            finally:
-                s.cleanup()
-            if got:
-                r = got[-1]
-                say(f"{key} run {i + 1}: first {(r.first() or {}).get('class')} {(r.first() or {}).get('ranks')} "
-                    f"after {r.latency() if r.latency() is None else round(r.latency(), 1)} s "
-                    f"(culprits {r.culprits}); other findings {len(r.false_findings())}")
-        rows.append(score(title, got, deadline))
-    for i in range(runs if not only or "checkpoint" in only else 0):
-        # checkpoint pause (20 s on rank 0), then a kill: the pause must raise no hang
-        s = fs.Session(tempfile.mkdtemp(prefix="ccld-acc-ckpt-"))
-        try:
-            r = fs.killed_rank(s, after_checkpoint=True)
-        finally:
-            s.cleanup()
-        p = r.notes["pause"]
-        pauses += 1
-        bad = [f for f in p["findings"] if f.get("kind") in ("hang", "slow")
-               and not (f.get("evidence") or {}).get("informational")]
-        pause_hangs += len(bad)
-        healthy_h += (p["to"] - p["from"]) / 3600
-        healthy_false += len(bad)
-        say(f"checkpoint run {i + 1}: {len(bad)} non-informational findings during the pause")
-    if not only or "healthy" in only:
-        s = fs.Session(tempfile.mkdtemp(prefix="ccld-acc-healthy-"))
-        try:
-            h = fs.healthy_ddp(s, seconds=healthy_s)
-        finally:
-            s.cleanup()
-        healthy_h += healthy_s / 3600
-        bad = [f for f in h.findings if f.get("kind") in ("hang", "slow")
-               and not (f.get("evidence") or {}).get("informational")]
-        healthy_false += len(bad)
-        say(f"healthy DDP {healthy_s:.0f} s: rc {h.notes.get('rc')}, findings {[(f['class'], f['ranks']) for f in bad]}")
-    return {"rows": rows, "healthy_h": healthy_h, "healthy_false": healthy_false,
-            "healthy_classes": sorted({f["class"] for f in bad}), "pauses": pauses, "pause_findings": pause_hangs}
+def _brief(f: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    if f is None:
+        return None
+    ev_ = f.get("evidence") or {}
+    return {k: f.get(k) for k in ("kind", "class", "ranks", "link", "comm", "seq", "op", "onset_at", "detected_at")} | \
+        {"summary": ev_.get("summary") or ev_.get("reason")}
+
+
+def score(s, runs: List[Any]) -> Dict[str, Any]:
+    """One row: runs is a list of (Verdict, Result) or None for a run whose job failed before the fault."""
+    from scenarios import wilson
+    done = [x for x in runs if x is not None]
+    n, k = len(done), sum(1 for v, _ in done if v.correct)
+    lat = [v.latency_s for v, _ in done if v.latency_s is not None]
+    return {"key": s.key, "name": s.title, "expect": s.expect, "runs": n, "failed": len(runs) - n, "correct": k,
+            "ci95": wilson(k, n), "detected": sum(1 for v, _ in done if v.detected), "p50": pct(lat, 0.5),
+            "p90": pct(lat, 0.9), "false": sum(len(v.false) for v, _ in done),
+            "healthy_s": sum(getattr(r, "healthy_s", 0.0) for _, r in done) if s.expect is None else 0.0,
+            "false_classes": sorted({f.get("class") for v, _ in done for f in v.false})}
+
+
+def run_accuracy(runs: int, healthy_s: float, say, only: Optional[List[str]] = None, lock: Optional[str] = None,
+                 ci_only: bool = False, log: Optional[str] = None) -> Dict[str, Any]:
+    import scenarios
+    from fault_scenarios import Session
+    reg = scenarios.load()
+    keys = only if only else [k for k, s in reg.items() if not s.long_run and (s.ci or not ci_only)]
+    got: Dict[str, List[Any]] = {k: [] for k in keys}
+    spent: Dict[str, float] = {}
+    out = open(log, "a") if log else None
+    for unit, members in scenarios.plan(keys):
+        for i in range(runs if not all(m.long_run for m in members) else 1):
+            tmp = tempfile.mkdtemp(prefix=f"ccld-acc-{unit}-")
+            with held(lock):
+                t0 = time.time()
+                s = Session(tmp)
+                try:
+                    kw = {"seconds": healthy_s} if all(m.long_run for m in members) else {}
+                    results = scenarios.run_unit(unit, s, **kw)
+                except Exception as e:  # noqa: BLE001 - the job never got to the fault: a failed run, not a miss
+                    say(f"{unit} run {i + 1}: setup failed ({tmp}): {type(e).__name__}: {str(e)[:2000]}")
+                    results = None
+                finally:
+                    s.cleanup()
+                spent[unit] = spent.get(unit, 0.0) + time.time() - t0
+            for m in members:
+                if results is None:
+                    got[m.key].append(None)
+                    if out:
+                        out.write(json.dumps({"key": m.key, "run": i + 1, "failed": True, "dir": tmp}) + "\n")
+                        out.flush()
+                    continue
+                r = results[m.key]
+                v = scenarios.judge(m, r)
+                got[m.key].append((v, r))
+                say(f"run {i + 1}: " + scenarios.describe(m, r, v).replace("\n", "\n    "))
+                if out:
+                    out.write(json.dumps({"key": m.key, "run": i + 1, "correct": v.correct, "detected": v.detected,
+                                          "why": v.why,
+                                          "latency_s": v.latency_s, "first": _brief(v.first),
+                                          "false": [_brief(f) for f in v.false], "baseline_s": r.baseline_s,
+                                          "healthy_s": r.healthy_s, "notes": _jsonable(r.notes),
+                                          "terminal": r.terminal[:20], "dir": tmp}) + "\n")
+                    out.flush()
+            say(f"{unit} run {i + 1}: {time.time() - t0:.0f} s")
+    return _summary([score(reg[k], got[k]) for k in keys], spent)
+
+
+def _summary(rows: List[Dict[str, Any]], spent: Dict[str, float]) -> Dict[str, Any]:
+    healthy = [r for r in rows if r["expect"] is None]
+    return {"rows": rows, "healthy_h": sum(r["healthy_s"] for r in healthy) / 3600,
+            "healthy_false": sum(r["false"] for r in healthy),
+            "healthy_classes": sorted({c for r in healthy for c in r["false_classes"]}),
+            "healthy_by": {r["key"]: (r["healthy_s"], r["false"]) for r in healthy if r["runs"]},
+            "spent_s": spent}
+
+
+def from_logs(paths: List[str]) -> Dict[str, Any]:
+    """run_accuracy's summary from --log files (every line one scenario run): scores runs that were
+    logged by separate invocations, or by one that was stopped, exactly as run_accuracy would."""
+    import scenarios
+    from types import SimpleNamespace
+    reg = scenarios.load()
+    got: Dict[str, List[Any]] = {}
+    for path in paths:
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    d = json.loads(line)
+                    key = d["key"]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise SystemExit(f"accuracy: {path}:{n}: not a logged scenario run ({e})") from None
+                if key not in reg:
+                    raise SystemExit(f"accuracy: {path}:{n}: scenario {key!r} is not registered")
+                if d.get("failed"):
+                    got.setdefault(key, []).append(None)
+                    continue
+                v = SimpleNamespace(correct=d["correct"], detected=d.get("detected", d["correct"]),
+                                    latency_s=d.get("latency_s"), false=d.get("false") or [])
+                got.setdefault(key, []).append((v, SimpleNamespace(healthy_s=d.get("healthy_s") or 0.0)))
+    return _summary([score(reg[k], got[k]) for k in reg if k in got], {})
+
+
+def _jsonable(x: Any) -> Any:
+    try:
+        json.dumps(x)
+        return x
+    except TypeError:
+        return repr(x)
 
 
 def accuracy_md(a: Dict[str, Any], cmd: str) -> str:
     def s(x):
         return "-" if x is None else f"{x:.1f}"
+
+    def ci(r):
+        return "-" if r["ci95"] is None else f"{r['ci95'][0] * 100:.0f}-{r['ci95'][1] * 100:.0f} %"
     out = [f"`{cmd}` on {time.strftime('%Y-%m-%d')}, {platform.node()}: {os.cpu_count()} vCPUs shared with other "
-           "work, real 4-rank gloo jobs under `ccld run` (eBPF probes: gloo, net, sched).", "",
-           "| scenario | runs | detected in time | top-1 culprit | onset -> finding p50 / p90 s | other findings |",
-           "|---|---:|---:|---:|---:|---:|"]
+           "work; real jobs under `ccld run` (and across simulated nodes), one fault each; strict scoring "
+           "(tests/e2e/scenarios.py: the first hang/slow finding, exactly the culprits or the link, within 15 s "
+           "for hangs and 60 s for slowdowns).", "",
+           "| scenario | runs | correct (top-1 strict) | 95 % interval | detected in time | "
+           "onset -> finding p50 / p90 s | false findings |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
     for r in a["rows"]:
-        out.append(f"| {r['name']} | {r['runs']} | {r['detected']}/{r['runs']} | {r['top1']}/{r['runs']} | "
-                   f"{s(r['p50'])} / {s(r['p90'])} | {r['others']} |")
-    rate = a["healthy_false"] / a["healthy_h"] if a["healthy_h"] else 0.0
-    if not a["healthy_h"]:
-        return "\n".join(out)  # --scenarios without checkpoint or healthy
-    out += ["", f"False findings in healthy running: {a['healthy_false']} in {a['healthy_h'] * 60:.1f} min "
-                f"(a DDP job and {a['pauses']} checkpoint pause(s) of 20 s on rank 0) = **{rate:.0f} per hour**"
-                + (f" (classes: {', '.join(a['healthy_classes'])})" if a["healthy_classes"] else "")
-                + f"; non-informational findings during checkpoint pauses: {a['pause_findings']}."]
+        if r["expect"] is None:
+            continue
+        failed = f" ({r['failed']} failed to start)" if r["failed"] else ""
+        out.append(f"| {r['name']} | {r['runs']}{failed} | {r['correct']}/{r['runs']} | {ci(r)} | "
+                   f"{r['detected']}/{r['runs']} | {s(r['p50'])} / {s(r['p90'])} | {r['false']} |")
+    healthy = [r for r in a["rows"] if r["expect"] is None and r["runs"]]
+    if healthy:
+        out += ["", "| healthy run | runs | without a finding | minutes | false findings |", "|---|---:|---:|---:|---:|"]
+        for r in healthy:
+            out.append(f"| {r['name']} | {r['runs']} | {r['correct']}/{r['runs']} | {r['healthy_s'] / 60:.1f} | "
+                       f"{r['false']}" + (f" ({', '.join(r['false_classes'])})" if r["false_classes"] else "") + " |")
+        rate = a["healthy_false"] / a["healthy_h"] if a["healthy_h"] else 0.0
+        out += ["", f"False findings in healthy running: {a['healthy_false']} in {a['healthy_h'] * 60:.1f} min = "
+                    f"**{rate:.1f} per hour**" + (f" (classes: {', '.join(a['healthy_classes'])})"
+                                                  if a["healthy_classes"] else "") + "."]
     return "\n".join(out)
 
 
@@ -300,33 +371,63 @@ def tick_md(rows: List[Dict[str, Any]], cmd: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog="examples: bench/accuracy.py --quick --write-results; "
+                                 epilog="examples: bench/accuracy.py --runs 1 --no-tick --lock /tmp/ccld-heavy.lock; "
+                                        "bench/accuracy.py --runs 10 --healthy-s 600 --write-results; "
                                         "bench/accuracy.py --tick-only --ranks 4096")
-    ap.add_argument("--quick", action="store_true", help="each scenario once and a 2-minute healthy run")
+    ap.add_argument("--quick", action="store_true", help="each scenario once (--runs 1)")
     ap.add_argument("--runs", type=int, default=3, help="runs per scenario (default 3)")
-    ap.add_argument("--healthy-s", type=float, default=300.0, help="seconds of the healthy DDP run")
+    ap.add_argument("--healthy-s", type=float, default=0.0,
+                    help="also run each workload this many seconds without a fault (default 0: none)")
     ap.add_argument("--tick-only", action="store_true", help="only the tick cost (no jobs, no root needed)")
-    ap.add_argument("--scenarios", default="", help="only these (comma list): not-entered,stopped,killed,"
-                    "inconsistent,size,deadlock,comp-slow,contention,checkpoint,healthy")
+    ap.add_argument("--scenarios", default="", help="only these scenario keys (comma list; --list shows them)")
+    ap.add_argument("--ci-only", action="store_true", help="only the scenarios the e2e suite runs in CI")
+    ap.add_argument("--list", action="store_true", help="list the registered scenarios and exit")
+    ap.add_argument("--lock", metavar="FILE", help="hold this flock around each job (a shared machine's heavy-run lock)")
+    ap.add_argument("--log", metavar="FILE.jsonl", help="append one JSON line per scenario run (verdict, findings)")
+    ap.add_argument("--from-log", metavar="FILE.jsonl", action="append", default=[],
+                    help="run no job: score the runs these --log files hold (repeatable; with --write-results "
+                         "the section says which command made them: --made-by)")
+    ap.add_argument("--made-by", metavar="CMD", default="", help="with --from-log: the command that wrote the logs")
     ap.add_argument("--no-tick", action="store_true", help="only the scenarios")
     ap.add_argument("--ranks", default="1024,4096,16384")
     ap.add_argument("--write-results", action="store_true", help="write bench/RESULTS.md's sections")
     a = ap.parse_args()
     if a.quick:
-        a.runs, a.healthy_s = 1, 120.0
+        a.runs = 1
 
     def say(m: str) -> None:
         print(f"accuracy: {m}", file=sys.stderr, flush=True)
 
-    cmd = "python bench/accuracy.py " + " ".join(sys.argv[1:]).replace("--write-results", "").strip()
+    if a.list:
+        import scenarios
+        for k, s in scenarios.load().items():
+            print(f"{k:24} {'ci ' if s.ci else '   '}{s.kind:8} {s.title}")
+        return 0
+    cmd = "python bench/accuracy.py " + " ".join(x for x in sys.argv[1:] if x != "--write-results")
+    if a.from_log:
+        acc = from_logs(a.from_log)
+        md = accuracy_md(acc, a.made_by or cmd)
+        if a.made_by:
+            md += (f"\n\nScored from the runs' log by `python bench/accuracy.py "
+                   f"{' '.join('--from-log ' + x for x in a.from_log)}`.")
+        print(md)
+        if a.write_results:
+            write_section("accuracy", "## Diagnosis accuracy (scenario suite, strict scoring)\n\n" + md)
+        return 0
     if not a.tick_only:
-        acc = run_accuracy(a.runs, a.healthy_s, say, [k for k in a.scenarios.split(",") if k] or None)
+        only = [k for k in a.scenarios.split(",") if k]
+        if a.healthy_s > 0 and not only:
+            import scenarios
+            only = [k for k, s in scenarios.load().items() if not s.long_run and (s.ci or not a.ci_only)] + \
+                   [k for k, s in scenarios.load().items() if s.long_run]
+        acc = run_accuracy(a.runs, a.healthy_s, say, only or None, a.lock, a.ci_only, a.log)
         md = accuracy_md(acc, cmd)
         print(md)
+        say("time per job: " + ", ".join(f"{k} {v:.0f} s" for k, v in acc["spent_s"].items()))
         if a.write_results and a.scenarios:  # a repeat of a few scenarios: its own section
             write_section("accuracy-repeat", "### Diagnosis accuracy, repeated scenarios\n\n" + md)
         elif a.write_results:
-            write_section("accuracy", "## Diagnosis accuracy (fault-injection suite)\n\n" + md)
+            write_section("accuracy", "## Diagnosis accuracy (scenario suite, strict scoring)\n\n" + md)
     if not a.no_tick:
         rows = [tick_cost(int(n), say) for n in a.ranks.split(",")]
         md = tick_md(rows, cmd)

@@ -37,9 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", metavar="VERB")
 
     def detector_flags(sp):
-        sp.add_argument("--hang-after", type=float, default=5.0, metavar="S",
-                        help="shortest wait (s) reported as a hang; grows with the job's own normal waits "
-                             "(default 5)")
+        sp.add_argument("--hang-after", type=float, default=None, metavar="S",
+                        help="shortest wait (s) reported as a hang, fixed; by default 5 s, and 3 s once a "
+                             "minute of the job's own waits is known; it grows with the job's normal waits")
 
     c = sub.add_parser("collector", help="receive events from agents, store them, report findings")
     c.add_argument("--listen", default=DEFAULT_LISTEN, help=f"ZeroMQ endpoint to bind (default {DEFAULT_LISTEN})")

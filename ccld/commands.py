@@ -153,7 +153,8 @@ def cmd_diagnose(args) -> int:
         from ccld.diagnose.frcheck import diagnose_dumps, format_detail, format_dumps
         if args.store:
             raise CcldError("give a store or --flight-recorder DIR, not both")
-        findings, dumps = diagnose_dumps(args.flight_recorder, prefix=args.fr_prefix, floor_s=args.hang_after)
+        findings, dumps = diagnose_dumps(args.flight_recorder, prefix=args.fr_prefix,
+                                         **({} if args.hang_after is None else {"floor_s": args.hang_after}))
         lines = [json.dumps(f.to_json()) for f in findings] if args.json else format_dumps(dumps) + (
             [ln for f in findings for ln in [format_line(f)] + format_detail(f)] or ["no findings"])
         for line in lines:

@@ -60,7 +60,7 @@ def run(fault: str, ranks: int, seed: Optional[int], keep: Optional[str], say: C
     else:
         say(f"demo: {ranks} healthy ranks, {HEALTHY_STEPS} steps")
 
-    session = launch.open_session(None, store, findings, hang_after=5.0, use_bpf=True, say=say)
+    session = launch.open_session(None, store, findings, hang_after=None, use_bpf=True, say=say)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(job_command(ranks, free_port(), extra), start_new_session=True, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

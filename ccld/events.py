@@ -34,8 +34,13 @@ import msgpack
 from ccld.errors import CcldError
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 4  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync;
-                  # 1.4 column blocks (blocks.py) for coll/start/end; the envelope's "resend" flag
+SCHEMA_MINOR = 5  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync;
+                  # 1.4 column blocks (blocks.py) for coll/start/end; the envelope's "resend" flag;
+                  # 1.5 p2p_end, P2P's seq/nbytes/lib_seq, CollEnter's lib_seq, CommInit's seq_source
+# CommInit.seq_source: how a rank numbers `seq` (collectives) and P2P.seq on that communicator
+SEQ_LIBRARY = "library"      # the library's own collective counter (gloo: c10d's tag): exact, also mid-run
+SEQ_FROM_INIT = "counted"    # counted by the agent from the group's creation: exact
+SEQ_FROM_ATTACH = "attach"   # counted from the first call the agent saw: ranks may be offset (attached mid-run)
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # agents send <= 2,048 events (~300 KiB) a frame; 4 MiB bounds a hostile one
 # 32x the shipper's MAX_BATCH. Checked by the MessagePack reader before it allocates anything: a
 # 16 MiB frame of 16M one-byte junk events once took 7 GiB and 80 s to reject.
@@ -149,7 +154,8 @@ class RankState(Event):
 
 @dataclass(frozen=True)
 class CommInit(Event):
-    """A communicator (process group) was created in a rank. `comm` is its cross-rank identity."""
+    """A communicator (process group) was created in a rank. `comm` is its cross-rank identity.
+    `seq_source` says how this rank numbers its collectives and p2p ops there (SEQ_*; "" before 1.5)."""
     KIND: ClassVar[str] = "comm"
     pid: int
     rank: int
@@ -159,11 +165,14 @@ class CommInit(Event):
     group_rank: int
     group_size: int
     handle: int = 0
+    seq_source: str = ""
 
 
 @dataclass(frozen=True)
 class CollEnter(Event):
-    """A rank called collective `seq` of communicator `comm` (the Python thread reached the library)."""
+    """A rank called collective `seq` of communicator `comm` (the Python thread reached the library).
+    `seq` counts collectives only: the same number on every member for one collective. `lib_seq` is
+    the library's own call counter where it differs (c10d's per-group seq, which counts p2p ops too)."""
     KIND: ClassVar[str] = "coll"
     pid: int
     rank: int
@@ -177,6 +186,7 @@ class CollEnter(Event):
     dtype: str = ""
     root: int = -1
     nbytes: int = -1
+    lib_seq: int = -1
 
 
 @dataclass(frozen=True)
@@ -205,7 +215,10 @@ class WorkEnd(Event):
 
 @dataclass(frozen=True)
 class P2P(Event):
-    """A point-to-point call (send/recv) of a rank to `peer` (a group rank)."""
+    """A point-to-point call (send/recv) of a rank to `peer` (a group rank of `comm`), when it was
+    posted. `seq` numbers this rank's ops of one direction with one peer on `comm` (its n-th send to
+    peer, or n-th recv from peer, from 1): the n-th send a->b pairs with the n-th recv on b from a.
+    -1: not numbered (recv from any source, or an agent before 1.5)."""
     KIND: ClassVar[str] = "p2p"
     pid: int
     rank: int
@@ -217,6 +230,27 @@ class P2P(Event):
     tag: int = 0
     count: int = -1
     dtype: str = ""
+    seq: int = -1
+    nbytes: int = -1
+    lib_seq: int = -1
+
+
+@dataclass(frozen=True)
+class P2PEnd(Event):
+    """The p2p op (comm, op, peer, seq) of P2P is over in this rank: the wait on it returned (ok) or
+    failed. `wait_ns` is when the rank began waiting on it (0: not seen); a rank blocked in a send or
+    recv is one with a P2P and no P2PEnd."""
+    KIND: ClassVar[str] = "p2p_end"
+    pid: int
+    rank: int
+    ts_ns: int
+    comm: str
+    op: str
+    peer: int
+    seq: int
+    ok: bool = True
+    error: str = ""
+    wait_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -374,7 +408,7 @@ class GpuLoss(Event):
 EVENT_TYPES: Dict[str, Type[Event]] = {
     cls.KIND: cls
     for cls in (AgentHello, ClockSample, RankInfo, RankExit, RankState, CommInit,
-                CollEnter, WorkStart, WorkEnd, P2P, ProbeStatus, LossCounters,
+                CollEnter, WorkStart, WorkEnd, P2P, P2PEnd, ProbeStatus, LossCounters,
                 LinkStats, SchedStats, QpInfo, NicCounters,
                 GpuKernel, GpuMemop, GpuLoss, ClockSync)
 }

@@ -3,8 +3,12 @@ it spawns, and stop everything when it exits. Exit status = the command's.
 
 The command gets its own process group, so Ctrl-C reaches ccld first; ccld then stops that group
 (SIGTERM, then SIGKILL after STOP_GRACE_S), flushes findings and the store, and exits.
-BPF programs are compiled before the command starts (about 1-2 s), so the first collectives and
-the process-group constructors are seen.
+Start-up: the command starts as soon as the probe programs are in the kernel (from the compiled-
+program cache, ~0.05 s; the first run on a kernel compiles them, ~1 s a family, and keeps them:
+ccld/bpf/progcache.py). The collector and the agent's threads come up while the command starts:
+the programs are loaded and waiting for its ranks before it runs, and a rank is attached within the
+agent's first scans, seconds before a torch job can reach its first collective (importing torch
+alone takes longer), so the process-group constructors and the first collectives are seen.
 """
 from __future__ import annotations
 
@@ -33,7 +37,10 @@ class Session:
 
 
 def open_session(collector_addr: Optional[str], store: Optional[str], findings: Optional[str],
-                 hang_after: float, use_bpf: bool, say: Callable[[str], None]) -> Session:
+                 hang_after: float, use_bpf: bool, say: Callable[[str], None], preloaded=None,
+                 cupti_sink=None) -> Session:
+    """A collector (unless one is named) and an agent for it; the agent adopts probe families already
+    loaded (load_families) and a CUPTI sink already made, when given."""
     from ccld.tracer.agent import Agent
     collector = None
     endpoint = collector_addr
@@ -47,9 +54,25 @@ def open_session(collector_addr: Optional[str], store: Optional[str], findings: 
         say("ccld: note: --store/--findings belong to the collector at " + endpoint + "; ignored here")
     svc = collector.time_service if collector is not None else None  # on a random port: tell the agent
     agent = Agent(endpoint, root_pid=-1, use_bpf=use_bpf, say=say,
-                  time_service=svc.endpoint if svc is not None else None)
+                  time_service=svc.endpoint if svc is not None else None, preloaded=preloaded,
+                  cupti_sink=cupti_sink)
     agent.load()
     return Session(collector, agent, endpoint)
+
+
+class _EarlySink:
+    """What the CUPTI check (cupti/inject.job_env) asks of an agent before the agent exists: a sink
+    for the shim's records, made now (its endpoint goes in the job's environment), adopted by the
+    agent when it comes (nothing reads the sink before that; the shim's records wait in it)."""
+
+    def __init__(self, relay):
+        self.relay, self.sink = relay, None
+
+    def open_cupti_sink(self) -> str:
+        from ccld.tracer.cupti_sink import CuptiSink
+        if self.sink is None:
+            self.sink = CuptiSink(self.relay)
+        return self.sink.endpoint
 
 
 def close_session(s: Session) -> None:
@@ -108,9 +131,60 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
         perfetto = None
     elif perfetto and not store:  # the trace is made from a store: keep a temporary one for it
         store = tmp_store = tempfile.mkdtemp(prefix="ccld-run-store-")
+    # The programs first, then the command, then the rest: the command does not wait for the
+    # collector's start, and its ranks find the programs loaded. From the cache that needs bcc alone
+    # (~0.1 s); where the cache lacks one (the first run on a kernel), every family is compiled first.
+    from ccld.bpf import progcache
+    programs = progcache.preload(tuple(progcache.PROGRAMS)) if use_bpf and progcache.bpf_available() is None else {}
+    pre = None
+    if use_bpf and len(programs) < len(progcache.PROGRAMS):
+        from ccld.tracer.agent import load_families
+        pre = load_families(use_bpf=use_bpf, programs=programs)
+    interrupted = []
+
+    def on_signal(signum, _frame):
+        interrupted.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    from ccld.tracer.relay import Relay
+    relay = pre.relay if pre is not None else Relay()
+    early = _EarlySink(relay)
     try:
-        session = open_session(collector_addr, store, findings, hang_after, use_bpf, say)
+        from ccld.cupti.inject import job_env
+        env = job_env(early, say)  # says once whether CUPTI is on; None: the job's env unchanged
+        try:
+            proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+        except OSError as e:
+            raise CcldError(f"cannot start {cmd[0]!r}: {e.strerror}") from None
     except BaseException:
+        for s_, h in old.items():
+            signal.signal(s_, h)
+        for fam, _ in (pre.families if pre is not None else []):
+            fam.close()
+        for prog in programs.values():
+            prog.cleanup()
+        if early.sink is not None:
+            early.sink.close()
+        if tmp_store:
+            shutil.rmtree(tmp_store, ignore_errors=True)
+        raise
+    try:
+        if pre is None:  # the cached programs are in the kernel: now their families and translators
+            from ccld.tracer.agent import load_families
+            pre = load_families(use_bpf=use_bpf, programs=programs)
+            pre.relay = relay
+            for _, tr in pre.families:
+                tr.emit = relay
+        session = open_session(collector_addr, store, findings, hang_after, use_bpf, say, preloaded=pre,
+                               cupti_sink=early.sink)
+        session.agent.root_pid = proc.pid
+        session.agent.start()
+    except BaseException:
+        stop_group(proc)
+        for s_, h in old.items():
+            signal.signal(s_, h)
+        for fam, _ in (pre.families if pre is not None else []):
+            fam.close()
         if tmp_store:
             shutil.rmtree(tmp_store, ignore_errors=True)
         raise
@@ -122,26 +196,15 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
         try:
             served = MetricsServer(session.collector, metrics).start()
         except BaseException:
+            stop_group(proc)
+            for s_, h in old.items():
+                signal.signal(s_, h)
             close_session(session)
             if tmp_store:
                 shutil.rmtree(tmp_store, ignore_errors=True)
             raise
         say(f"ccld: metrics at {served.url}/metrics, live view: ccld top {served.host}:{served.port}")
-    interrupted = []
-
-    def on_signal(signum, _frame):
-        interrupted.append(signum)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        from ccld.cupti.inject import job_env
-        env = job_env(session.agent, say)  # says once whether CUPTI is on; None: the job's env unchanged
-        try:
-            proc = subprocess.Popen(cmd, start_new_session=True, env=env)
-        except OSError as e:
-            raise CcldError(f"cannot start {cmd[0]!r}: {e.strerror}") from None
-        session.agent.root_pid = proc.pid
-        session.agent.start()
         shown = shlex.join([os.path.basename(cmd[0])] + cmd[1:])
         shown = shown if len(shown) <= 48 else shown[:47] + "…"
         say(f"ccld: tracing `{shown}` (pid {proc.pid}); sources: {', '.join(session.agent.sources)}. "

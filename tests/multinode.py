@@ -2,12 +2,15 @@
 `ccld collector` reachable across the bridge, each node's clock shifted and drifting by a known amount.
 
 Built on tests/netbed.py without changing it: a NetBed of nodes + 1 hosts, where hosts 0..nodes-1 are
-the nodes (each runs ranks_per_node ranks of gloo_job.py, global rank = node * ranks_per_node +
-local rank, rendezvous on node 0) and the last host runs the collector. The collector listens on
+the nodes and the last host runs the collector. The job is any workload script (gloo_job.py by
+default) started once per rank with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...;
+rendezvous on rank 0's node). Ranks map to nodes by `layout` (layout[r] is rank r's node; default:
+ranks_per_node consecutive ranks per node, global rank = node * ranks_per_node + local rank). The collector listens on
 the bridge, so it needs CurveZMQ: keys are made in the bed's work directory (`ccld keys`), one pair
 per node and one for the collector. Each agent gets CCLD_TEST_CLOCK (ccld/tracer/nodeclock.py):
 eBPF timestamps ignore time namespaces, so the agent shifts what it sends. NetBed's faults work on
-hosts, so bed.rate_limit_pair(a, b) shapes the link between nodes a and b (all their rank pairs).
+hosts, so bed.rate_limit_pair(a, b) shapes the link between nodes a and b (all their rank pairs:
+a layout with one communicating rank pair across two nodes isolates that rank link).
 Ground truth: `truth_unix_ns(node, t)` is the collector's time of node time t (needs the collector's
 timebase anchor, which it writes in stats.json).
 Cleanup: close() stops agents and collector (SIGINT, so the store is closed cleanly), the job, and
@@ -33,9 +36,13 @@ EVENTS_PORT = 5555       # the collector's host namespace is fresh: fixed ports 
 
 class MultiNodeBed:
     def __init__(self, nodes: int = 3, ranks_per_node: int = 2, clocks: Sequence[str] = (),
-                 keep_logs: bool = False):
+                 keep_logs: bool = False, layout: Optional[Sequence[int]] = None):
         self.nodes, self.per = nodes, ranks_per_node
-        self.world = nodes * ranks_per_node
+        self.layout = list(layout) if layout is not None else [r // ranks_per_node for r in range(nodes * ranks_per_node)]
+        bad = [n for n in self.layout if not 0 <= n < nodes]
+        if bad or not self.layout:
+            raise ValueError(f"layout {self.layout}: every rank's node must be one of 0..{nodes - 1}")
+        self.world = len(self.layout)
         self.clock_specs = list(clocks) + [""] * (nodes - len(clocks))
         self.clocks = [NodeClock.from_env({TEST_CLOCK_ENV: c}) for c in self.clock_specs]
         self.bed = NetBed(ranks=nodes + 1, keep_logs=keep_logs)
@@ -54,7 +61,10 @@ class MultiNodeBed:
         return f"node{n}"
 
     def node_of(self, rank: int) -> int:
-        return rank // self.per
+        return self.layout[rank]
+
+    def ranks_of(self, node: int) -> List[int]:
+        return [r for r, n in enumerate(self.layout) if n == node]
 
     @property
     def collector_host(self) -> int:
@@ -89,14 +99,18 @@ class MultiNodeBed:
             *extra], "collector.log", {"PYTHONUNBUFFERED": "1"})
         return self.collector
 
-    def start_job(self, script_args: Sequence = ()) -> List[subprocess.Popen]:
+    def start_job(self, script_args: Sequence = (), script: str = GLOO_JOB,
+                  env: Optional[Dict[str, str]] = None) -> List[subprocess.Popen]:
+        """One process of `script` per rank on its node, with torchrun's environment (and `env`)."""
         for r in range(self.world):
             n = self.node_of(r)
-            env = {"RANK": str(r), "LOCAL_RANK": str(r % self.per), "LOCAL_WORLD_SIZE": str(self.per),
-                   "WORLD_SIZE": str(self.world), "MASTER_ADDR": self.bed.ip(0), "MASTER_PORT": str(MASTER_PORT),
-                   "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-            self.job.append(self._spawn(n, [sys.executable, GLOO_JOB, *[str(a) for a in script_args]],
-                                        f"rank{r}.log", env))
+            local = self.ranks_of(n)
+            full = {"RANK": str(r), "LOCAL_RANK": str(local.index(r)), "LOCAL_WORLD_SIZE": str(len(local)),
+                    "WORLD_SIZE": str(self.world), "MASTER_ADDR": self.bed.ip(self.node_of(0)),
+                    "MASTER_PORT": str(MASTER_PORT), "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1",
+                    "PYTHONUNBUFFERED": "1", **(env or {})}
+            self.job.append(self._spawn(n, [sys.executable, script, *[str(a) for a in script_args]],
+                                        f"rank{r}.log", full))
         return self.job
 
     def rank_pids(self, node: Optional[int] = None) -> List[int]:

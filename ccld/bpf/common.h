@@ -11,8 +11,19 @@
 #define CCLD_REC_VERSION 1
 
 #ifndef CCLD_RINGBUF_PAGES
-#define CCLD_RINGBUF_PAGES 64 /* 256 KiB: ~2,500 records; drained every 50 ms, so ~50k records/s of headroom */
+/* 4 MiB: ~20,000 records of 200 bytes; drained every 50 ms, so ~400k records/s of headroom (a node
+ * doing 20,000 collectives/s writes ~60,000) and a drain may come ~300 ms late before anything is lost */
+#define CCLD_RINGBUF_PAGES 1024
 #endif
+
+/* Every record of a family takes the same room in the ring buffer (CCLD_REC_SIZE bytes, set by the
+ * family before including this file), whatever its kind: user space then reads a drain's records
+ * as one fixed-stride array (ccld/bpf/ringbuf.py) instead of walking them one by one. The header's
+ * `size` is the record's own struct size; the bytes after it are not written. */
+#ifndef CCLD_REC_SIZE
+#error "a family defines CCLD_REC_SIZE (the largest of its records, a multiple of 8) before common.h"
+#endif
+_Static_assert(CCLD_REC_SIZE % 8 == 0, "CCLD_REC_SIZE is a multiple of 8 (the ring buffer's alignment)");
 
 #ifndef CCLD_SUBMIT_FLAGS
 /* No wakeup per record: the agent drains every few tens of ms anyway (Family.poll), and a wakeup
@@ -48,13 +59,14 @@ static __always_inline void ccld_fill_hdr(struct ccld_hdr *h, u16 kind, u32 size
 
 /* Reserve a record into `r` (a typed pointer) with kind K, or count the loss and `return 0`.
  * bcc refuses map calls inside macros and a non-inlined helper breaks the verifier's constant-size
- * rule, so each probe writes `r = events.ringbuf_reserve(sizeof(*r)); CCLD_FILL_OR_LOST(r, K);`. */
+ * rule, so each probe writes `r = events.ringbuf_reserve(CCLD_REC_SIZE); CCLD_FILL_OR_LOST(r, K);`. */
 #define CCLD_FILL_OR_LOST(r, K)                                         \
     do {                                                                \
         if (!(r)) {                                                     \
             ccld_count_lost();                                          \
             return 0;                                                   \
         }                                                               \
+        _Static_assert(sizeof(*(r)) <= CCLD_REC_SIZE, "record fits its slot"); \
         ccld_fill_hdr(&(r)->hdr, (K), sizeof(*(r)));                    \
     } while (0)
 

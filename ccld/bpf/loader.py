@@ -1,8 +1,10 @@
-"""What every probe family's loader shares: compile one *.bpf.c with -D cflags, read its ring buffer,
-attach uprobes to one process as a unit, and count what goes wrong instead of raising.
+"""What every probe family's loader shares: compile one *.bpf.c with -D cflags, read its ring buffer
+a drain at a time, attach uprobes to one process as a unit, and count what goes wrong instead of raising.
 
-A family subclass names its source file, its record kinds, and its uprobe plan: a list of
-(symbol prefix, BPF function, required?) resolved against the library each process has mapped.
+A family subclass names its source file, its record kinds (a records.Kinds: every record of a family
+takes one slot size), and its uprobe plan: a list of (symbol prefix, BPF function, required?)
+resolved against the library each process has mapped. A drain hands its translator every record
+that came since the last one as one array (`records(rows, kinds)`), never one call per record.
 Clock: records carry CLOCK_MONOTONIC ns from the kernel; nothing here re-stamps them.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ccld.bpf import records
 from ccld.errors import EnvironmentProblem
@@ -33,6 +35,8 @@ class Probe:
     exact: bool = False  # the whole symbol name, not a prefix: for C APIs, where "ncclReduce" would also
                          # hit ncclReduceScatter and ncclReduceConfig
     ret: bool = False    # a uretprobe; only on functions no C++ exception can unwind through
+    # fn "" = resolve only: the symbol's address is looked up with the others (one pass over the
+    # library) and kept in Attachment.symbols, but nothing is attached to it
 
 
 @dataclass
@@ -43,6 +47,8 @@ class Attachment:
     events: List[bytes] = field(default_factory=list)            # bcc's names of our perf events
     missing: List[str] = field(default_factory=list)             # optional prefixes not found
     ret_points: List[Tuple[str, int]] = field(default_factory=list)  # (symbol, address) of uretprobes
+    config: Dict[str, Any] = field(default_factory=dict)             # what the family read off the library
+    symbols: Dict[str, int] = field(default_factory=dict)            # resolve-only symbols -> address
 
 
 def seen_from_here(pid: int, path: str) -> str:
@@ -57,6 +63,15 @@ def seen_from_here(pid: int, path: str) -> str:
     return f"/proc/{pid}/root{path}"
 
 
+def read_maps(pid: int) -> List[str]:
+    """The lines of /proc/PID/maps that name a file ([] when the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return [line for line in f if "/" in line]
+    except OSError:
+        return []
+
+
 def lib_key(path: str) -> Any:
     """What identifies a library file across paths: (device, inode); the path when it cannot be read."""
     try:
@@ -66,17 +81,7 @@ def lib_key(path: str) -> Any:
     return (st.st_dev, st.st_ino)
 
 
-def bpf_available() -> Optional[EnvironmentProblem]:
-    """None when this process can load BPF programs with bcc, else the problem and its fix."""
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        return EnvironmentProblem("bcc is not importable",
-                                  "install it: apt-get install python3-bpfcc (then re-run scripts/setup.sh)")
-    if os.geteuid() != 0:
-        return EnvironmentProblem("eBPF needs root (or CAP_BPF+CAP_PERFMON)",
-                                  "run ccld with sudo, or: setcap cap_bpf,cap_perfmon,cap_sys_ptrace+ep $(which python3)")
-    return None
+from ccld.bpf.progcache import bpf_available  # noqa: E402,F401  (where callers have always found it)
 
 
 class Family:
@@ -84,14 +89,20 @@ class Family:
 
     NAME = ""
     SOURCE = ""
+    KERNEL_CFLAGS: Sequence[str] = ()  # cflags read off the running kernel, as the cache names them
     LIB_PATTERN = ""   # regex matched against paths in /proc/PID/maps
-    KINDS: Dict[int, type] = {}
+    KINDS: Optional[records.Kinds] = None   # the record kinds and the slot size of every record
     PROBES: Sequence[Probe] = ()
 
-    def __init__(self, on_record: Callable[[int, object], None], cflags: Sequence[str] = ()):
+    def __init__(self, on_record, cflags: Sequence[str] = ()):
+        """`on_record`: the translator; a ring family calls its records(rows, kinds) once per drain
+        (and flush(now_ns) after, if it has one)."""
+        from ccld.bpf.progcache import default_cflags
         self.on_record = on_record
-        self.cflags = list(cflags)
+        self.cflags = default_cflags(self.NAME) + list(cflags)
         self.bpf = None
+        self.ring = None  # ringbuf.RingReader over the program's `events`
+        self.from_cache = False  # the program came from the compiled-program cache (no compile)
         self.bad_records: Dict[str, int] = {}
         self.attached: Dict[int, Attachment] = {}   # traced pid -> the attachment of its library
         self.libs: Dict[Any, Attachment] = {}       # lib_key(library) -> probes attached for all processes
@@ -106,6 +117,13 @@ class Family:
     def all_cflags(self) -> List[str]:
         return [f"-I{BPF_DIR}"] + self.cflags
 
+    def cache_key(self) -> str:
+        """The compiled-program cache's key of this program: its text, its cflags (those read off the
+        running kernel, e.g. net's struct offsets from BTF, by name: the kernel is part of the key, so
+        a cached start reads no BTF), the kernel and bcc (progcache.py)."""
+        from ccld.bpf import progcache
+        return progcache.program_key(self.SOURCE, self.cflags, self.KERNEL_CFLAGS)
+
     def program_text(self) -> str:
         """The final program and cflags, as `--ebpf` prints them. Needs no root."""
         with open(self.source_path()) as f:
@@ -113,6 +131,23 @@ class Family:
         return f"// cflags: {' '.join(self.all_cflags())}\n{text}"
 
     def _compile(self) -> None:
+        """Load the program: from the compiled-program cache (progcache.py) when it holds this text,
+        these cflags and this kernel, else compile it with bcc and keep the result there."""
+        from ccld.bpf import progcache
+        try:
+            key = self.cache_key()
+        except OSError as e:
+            raise EnvironmentProblem(f"cannot read {self.SOURCE}: {e}", "reinstall ccld")
+        directory = progcache.cache_dir()
+        spec = progcache.lookup(directory, key)
+        if spec is not None:
+            try:
+                self.bpf = progcache.cached_bpf(spec)
+                self.from_cache = True
+                return
+            except Exception as e:  # a kernel the key did not tell apart, a damaged file: compile again
+                log.warning("%s: cached program did not load (%s); compiling it", self.NAME, e)
+                progcache.forget(directory, key)
         from bcc import BPF
         from ccld.bpf.kheaders import ensure_kernel_headers
         ensure_kernel_headers()
@@ -121,29 +156,48 @@ class Family:
         except Exception as e:
             raise EnvironmentProblem(f"could not compile/load {self.SOURCE}: {e}",
                                      "check kernel headers (apt-get install linux-headers-amd64) and that you are root")
+        self.from_cache = False
+        if directory is not None:
+            try:
+                progcache.save(directory, key, progcache.describe(self.bpf))
+            except Exception:  # the cache is an optimisation: a program it cannot describe is just compiled
+                log.exception("%s: cannot keep the compiled program", self.NAME)
 
-    def load(self) -> None:
-        self._compile()
-        self.bpf[b"events"].open_ring_buffer(self._on_raw)
-
-    def _on_raw(self, _ctx, data, size) -> int:
-        raw = ct.string_at(data, size)
-        kind, rec = records.decode(raw, self.KINDS)
-        if kind is None:
-            self.bad_records[rec] = self.bad_records.get(rec, 0) + 1
-            return 0
-        try:
-            self.on_record(kind, rec)
-        except Exception:  # a bug in one handler must not stop the drain
-            log.exception("%s: handler failed on record kind %d", self.NAME, kind)
-            self.bad_records["handler-error"] = self.bad_records.get("handler-error", 0) + 1
-        return 0
+    def load(self, program=None) -> None:
+        """Load the program (`program`: one progcache.preload() already put in the kernel)."""
+        if program is not None:
+            self.bpf, self.from_cache = program, True
+        else:
+            self._compile()
+        from ccld.bpf.ringbuf import RingReader
+        events = self.bpf[b"events"]
+        self.ring = RingReader(events.map_fd, int(events.max_entries), self.KINDS.rec_size, self.bad_records)
 
     def poll(self, timeout_ms: int) -> None:
-        """Wait up to timeout_ms, then drain every record. Records are submitted without wakeups
-        (CCLD_SUBMIT_FLAGS), so the wait usually runs its course and the drain does the work."""
-        self.bpf.ring_buffer_poll(timeout_ms)
-        self.bpf.ring_buffer_consume()
+        """Wait timeout_ms, then drain. Records are submitted without wakeups (CCLD_SUBMIT_FLAGS):
+        the agent drains on its own clock, so there is nothing to wait on but time."""
+        if timeout_ms > 0:
+            time.sleep(timeout_ms / 1000)
+        self.tick(time.monotonic_ns())
+
+    def tick(self, now_ns: int) -> int:
+        """Drain what came since the last drain (nothing to do costs two loads), then let the
+        translator send what has waited long enough (flush). Returns how many records came."""
+        n = 0
+        if self.ring is not None and self.ring.pending():
+            rows = self.ring.read()
+            n = len(rows)
+            good, kinds = self.KINDS.check(rows, self.bad_records)
+            if len(good):
+                try:
+                    self.on_record.records(good, kinds)
+                except Exception:  # a bug in the translator must not stop tracing; its records are counted
+                    log.exception("%s: translator failed on a drain of %d records", self.NAME, len(good))
+                    self.bad_records["handler-error"] = self.bad_records.get("handler-error", 0) + len(good)
+        flush = getattr(self.on_record, "flush", None)
+        if flush is not None:
+            flush(now_ns)
+        return n
 
     def lost(self) -> int:
         """Records the kernel side could not reserve (ring buffer full), summed over CPUs; once
@@ -153,19 +207,18 @@ class Family:
         return int(sum(self.bpf[b"lost"][ct.c_int(0)]))
 
     # -- attaching ---------------------------------------------------------------------------
-    def find_lib(self, pid: int) -> Optional[str]:
-        """Path of this family's library as mapped by `pid` (/proc/PID/maps), made valid from here:
-        through /proc/PID/root when the process lives in another mount namespace (a container, while
-        the agent runs on the host or in a DaemonSet). None when not mapped (yet)."""
+    def find_lib(self, pid: int, maps: Optional[List[str]] = None) -> Optional[str]:
+        """Path of this family's library as mapped by `pid` (/proc/PID/maps, or its lines `maps` read
+        once for several families), made valid from here: through /proc/PID/root when the process
+        lives in another mount namespace (a container, while the agent runs on the host or in a
+        DaemonSet). None when not mapped (yet)."""
         pat = re.compile(self.LIB_PATTERN)
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    parts = line.split(None, 5)
-                    if len(parts) == 6 and pat.search(parts[5]):
-                        return seen_from_here(pid, parts[5].strip())
-        except OSError:
-            return None
+        if maps is None:
+            maps = read_maps(pid)
+        for line in maps:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and pat.search(parts[5]):
+                return seen_from_here(pid, parts[5].strip())
         return None
 
     def _plan(self, lib: str) -> Tuple[List[Tuple[str, int, Probe]], List[str]]:
@@ -206,12 +259,27 @@ class Family:
             if att is None:
                 att = self.libs[key] = self._attach_lib(lib)
             try:
-                self.bpf[b"traced"][ct.c_uint32(pid)] = ct.c_uint8(1)
+                self._trace(pid, att)
             except Exception as e:
                 raise EnvironmentProblem(f"{self.NAME}: cannot trace pid {pid}: {e}",
                                          f"raise CCLD_MAX_PROCS (now tracing {len(self.attached)} processes)")
             self.attached[pid] = att
         return att
+
+    def _trace(self, pid: int, att: Attachment) -> None:
+        """Make the program report `pid` (its `traced` entry)."""
+        self.bpf[b"traced"][ct.c_uint32(pid)] = self.traced_value(att)
+
+    def _untrace(self, pid: int) -> None:
+        try:
+            del self.bpf[b"traced"][ct.c_uint32(pid)]
+        except KeyError:
+            pass
+
+    def traced_value(self, att: Attachment) -> Any:
+        """The value of a traced process in the program's `traced` map (its per-process settings):
+        a u8 1 unless the family's program keeps more there."""
+        return ct.c_uint8(1)
 
     def _attach_lib(self, lib: str) -> Attachment:
         try:
@@ -228,6 +296,9 @@ class Family:
         att = Attachment(-1, lib, missing=list(missing))
         try:
             for sym, addr, probe in points:
+                if not probe.fn:
+                    att.symbols[sym] = addr
+                    continue
                 before = set(self.bpf.uprobe_fds)  # bcc keeps uprobe and uretprobe fds here
                 attach = self.bpf.attach_uretprobe if probe.ret else self.bpf.attach_uprobe
                 attach(name=lib.encode(), addr=addr, fn_name=probe.fn.encode(), pid=-1)
@@ -261,10 +332,7 @@ class Family:
         """Stop tracing `pid`: one map delete. The library's probes stay for the other ranks."""
         with self._lock:
             if self.attached.pop(pid, None) is not None and self.bpf is not None:
-                try:
-                    del self.bpf[b"traced"][ct.c_uint32(pid)]
-                except KeyError:
-                    pass
+                self._untrace(pid)
 
     def close(self) -> None:
         if self.bpf is None:
@@ -278,8 +346,25 @@ class Family:
             for att in self.libs.values():
                 self._detach_events(att.events)
             self.libs.clear()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
         self.bpf.cleanup()
         self.bpf = None
+
+
+def set_bit(bits, pid: int, on: bool, family: str) -> None:
+    """Set or clear `pid`'s bit in a program's bitmap over pids (a BPF_ARRAY of u64 words). A pid past
+    the bitmap (pid_max raised after the program was loaded) cannot be traced: an error naming it."""
+    w = pid >> 6
+    if w >= bits.max_entries:
+        raise EnvironmentProblem(f"{family}: pid {pid} is past the {bits.max_entries * 64} pids the program was "
+                                 f"built for (kernel.pid_max was raised since)", "restart the agent")
+    key = ct.c_int(w)
+    cur = bits[key].value
+    new = cur | (1 << (pid & 63)) if on else cur & ~(1 << (pid & 63))
+    if new != cur:
+        bits[key] = ct.c_uint64(new)
 
 
 TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
@@ -309,33 +394,55 @@ class KernelFamily(Family):
     LIB = "kernel"
     DRAIN_MS = 500  # link and scheduler counters are per-interval sums; 0.5 s is finer than any finding needs
 
-    def __init__(self, on_record: Callable[[int, object], None], cflags: Sequence[str] = ()):
+    def __init__(self, on_record, cflags: Sequence[str] = ()):
         super().__init__(on_record, cflags)
         self._next_drain = 0.0
 
-    def load(self) -> None:
+    def load(self, program=None) -> None:
         ensure_tracefs()
-        self._compile()
+        if program is not None:
+            self.bpf, self.from_cache = program, True
+        else:
+            self._compile()
 
-    def find_lib(self, pid: int) -> Optional[str]:
+    def find_lib(self, pid: int, maps: Optional[List[str]] = None) -> Optional[str]:
         return self.LIB if os.path.isdir(f"/proc/{pid}") else None
 
     def _attach_lib(self, lib: str) -> Attachment:
         return Attachment(-1, lib)
 
+    def _trace(self, pid: int, att: Attachment) -> None:
+        """`traced` entry, then the pid's bit in `proc_bits`: the programs' first test, before any
+        map of theirs (an array lookup the verifier inlines: no cost on the node's other switches)."""
+        super()._trace(pid, att)
+        set_bit(self.bpf[b"proc_bits"], pid, True, self.NAME)
+
+    def _untrace(self, pid: int) -> None:
+        set_bit(self.bpf[b"proc_bits"], pid, False, self.NAME)
+        super()._untrace(pid)
+
     def poll(self, timeout_ms: int) -> None:
-        """Wait timeout_ms (the agent's poll share), then drain if an interval has passed; poll(0)
-        drains at once (the agent does that before it forgets a dead process, and when it stops)."""
+        """Wait timeout_ms, then drain at once (the agent does poll(0) before it forgets a dead
+        process, and when it stops)."""
         if timeout_ms > 0:
             time.sleep(timeout_ms / 1000)
-        now = time.monotonic()
-        if timeout_ms == 0 or now >= self._next_drain:
-            self._next_drain = now + self.DRAIN_MS / 1000
-            try:
-                self.drain()
-            except Exception:  # one bad read must not end tracing; the next interval tries again
-                log.exception("%s: drain failed", self.NAME)
-                self.bad_records["drain-error"] = self.bad_records.get("drain-error", 0) + 1
+        self._drain_now(time.monotonic())
+
+    def tick(self, now_ns: int) -> int:
+        """Drain if DRAIN_MS have passed since the last drain (the agent calls this every POLL_MS, or
+        less often when nothing comes; a drain's sums are records the ring families do not count)."""
+        now = now_ns / 1e9
+        if now >= self._next_drain:
+            self._drain_now(now)
+        return 0
+
+    def _drain_now(self, now: float) -> None:
+        self._next_drain = now + self.DRAIN_MS / 1000
+        try:
+            self.drain()
+        except Exception:  # one bad read must not end tracing; the next interval tries again
+            log.exception("%s: drain failed", self.NAME)
+            self.bad_records["drain-error"] = self.bad_records.get("drain-error", 0) + 1
 
     def drain(self) -> None:
         raise NotImplementedError

@@ -34,6 +34,9 @@
  * Minimum kernel: 5.8 (ring buffer); 5.3 for the bounded hash loop; uprobes.
  */
 #include <uapi/linux/ptrace.h>
+#ifndef CCLD_REC_SIZE
+#define CCLD_REC_SIZE 80  /* the largest record (nccl_call, nccl_comm_init): every record takes this room */
+#endif
 #include "common.h"
 
 #ifndef CCLD_MAX_THREADS
@@ -170,7 +173,7 @@ static __always_inline int emit_call(u16 kind, s32 fn, u64 sendbuff, u64 recvbuf
 {
     if (ccld_untraced())
         return 0;
-    struct nccl_call *r = events.ringbuf_reserve(sizeof(*r));
+    struct nccl_call *r = events.ringbuf_reserve(CCLD_REC_SIZE);
     CCLD_FILL_OR_LOST(r, kind);
     r->comm = comm;
     r->count = count;
@@ -248,7 +251,7 @@ static __always_inline int emit_group(s32 fn)
 {
     if (ccld_untraced())
         return 0;
-    struct nccl_group *r = events.ringbuf_reserve(sizeof(*r));
+    struct nccl_group *r = events.ringbuf_reserve(CCLD_REC_SIZE);
     CCLD_FILL_OR_LOST(r, NCCL_GROUP);
     r->fn = fn;
     r->pad = 0;
@@ -263,7 +266,7 @@ static __always_inline int emit_end(s32 fn, u64 comm)
 {
     if (ccld_untraced())
         return 0;
-    struct nccl_comm_end *r = events.ringbuf_reserve(sizeof(*r));
+    struct nccl_comm_end *r = events.ringbuf_reserve(CCLD_REC_SIZE);
     CCLD_FILL_OR_LOST(r, NCCL_COMM_END);
     r->comm = comm;
     r->fn = fn;
@@ -338,7 +341,7 @@ int init_ret(struct pt_regs *ctx)
     struct init_entry *e = init_inflight.lookup(&tid);
     if (!e)
         return 0;  /* we attached while this thread was inside init: its arguments are unknown */
-    struct nccl_comm_init *r = events.ringbuf_reserve(sizeof(*r));
+    struct nccl_comm_init *r = events.ringbuf_reserve(CCLD_REC_SIZE);
     if (!r) {
         ccld_count_lost();
         init_inflight.delete(&tid);

@@ -22,11 +22,16 @@ import ctypes as ct
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
+import numpy as np
+
 from ccld import events as ev
+from ccld.bpf import records
 from ccld.bpf.loader import Family, Probe
 from ccld.bpf.records import Header
+from ccld.bpf.rows import KIND_COLL, Builder, Groups, group_keys
 
 COLL, P2P_REC, GROUP, COMM_INIT, COMM_END = 1, 2, 3, 4, 5
+REC_SIZE = 80  # CCLD_REC_SIZE in nccl.bpf.c (nccl_call and nccl_comm_init, the largest)
 
 # enum nccl_fn in nccl.bpf.c
 FN_ALLREDUCE, FN_BROADCAST, FN_REDUCE, FN_ALLGATHER, FN_REDUCESCATTER = 1, 2, 3, 4, 5
@@ -81,7 +86,8 @@ class NcclFamily(Family):
     NAME = "nccl"
     SOURCE = "nccl.bpf.c"
     LIB_PATTERN = r"/libnccl\.so(\.[0-9.]+)?$"
-    KINDS = {COLL: NcclCall, P2P_REC: NcclCall, GROUP: NcclGroup, COMM_INIT: NcclCommInit, COMM_END: NcclCommEnd}
+    KINDS = records.Kinds({COLL: NcclCall, P2P_REC: NcclCall, GROUP: NcclGroup, COMM_INIT: NcclCommInit,
+                           COMM_END: NcclCommEnd}, REC_SIZE)
     PROBES = (
         # What every NCCL 2.x a torch of this decade can load has.
         _api("ncclAllReduce", "coll_allreduce", True),
@@ -156,21 +162,110 @@ class ProcState:
 MAX_COMMS_PER_PROC = 4096  # jobs make tens of communicators; this only bounds leaks from missed destroys
 
 
-class NcclTranslator:
-    """Records of one NcclFamily -> wire events, per process. `emit` receives each event."""
+_OP_ARR = np.array([OP_NAMES.get(i, "") for i in range(64)], object)  # fn -> op name ("": not a collective)
 
-    def __init__(self, emit: Callable[[ev.Event], None]):
+
+class NcclTranslator:
+    """Records of one NcclFamily -> wire events, a drain at a time. `emit` receives Events (communicators,
+    p2p calls) and rows.Rows (the collectives' enters, as columns).
+
+    A drain is cut where a record that changes who is who is (a communicator made or destroyed, a p2p
+    call, which may name an unknown communicator); each part's collective calls are numbered per
+    communicator with array operations, in call order, as one call at a time would number them."""
+
+    def __init__(self, emit: Callable):
         self.emit = emit
+        self.groups = Groups()
+        self._out: Optional[Builder] = None  # the drain being translated (records())
         self.procs: Dict[int, ProcState] = {}
         # What could not be named or was not worth an event; shipped by the agent as loss/health counters.
         self.counters: Dict[str, int] = {"unknown_handles": 0, "unknown_parents": 0, "init_failed": 0,
                                          "groups": 0, "destroyed": 0, "aborted": 0, "unknown_fn": 0}
+        self._index()
 
     def add_process(self, pid: int, rank: int, job: str) -> None:
         self.procs.setdefault(pid, ProcState(rank, job))
+        self._index()
 
     def forget(self, pid: int) -> None:
         self.procs.pop(pid, None)
+        self._index()
+
+    def _index(self) -> None:
+        pids = sorted(self.procs)
+        self._pids = np.array(pids, np.int64)
+        self._ranks = np.array([self.procs[p].rank for p in pids], np.int64)
+
+    def records(self, rows: np.ndarray, kinds: np.ndarray) -> None:
+        """Every record of one drain, in ring order."""
+        out = Builder(self.groups)
+        self._out = out
+        tgid = records.view(rows[:, :records.HEADER_SIZE].copy(), records.HDR_DTYPE)["tgid"].astype(np.int64)
+        known = np.isin(tgid, self._pids)
+        if not known.all():  # processes we were told to forget; their probes are being detached
+            rows, kinds = rows[known], kinds[known]
+        groups = kinds == GROUP
+        if groups.any():
+            self.counters["groups"] += int(np.count_nonzero(groups))
+            rows, kinds = rows[~groups], kinds[~groups]
+        n = len(kinds)
+        cuts = np.flatnonzero(kinds != COLL).tolist()
+        a = 0
+        for c in cuts + [n]:
+            if c > a:
+                self._colls(out, records.view(rows[a:c], NcclFamily.KINDS.dtypes[COLL]))
+            if c < n:
+                self(int(kinds[c]), NcclFamily.KINDS.record(rows[c]))
+            a = c + 1
+        self._out = None
+        for item in out.done():
+            self.emit(item)
+
+    def _colls(self, out: Builder, r: np.ndarray) -> None:
+        """Collective calls, all of one part: numbered per (process, communicator) in call order."""
+        fn = r["fn"].astype(np.int64)
+        op = _OP_ARR[np.clip(fn, 0, len(_OP_ARR) - 1)]
+        good = (fn >= 0) & (fn < len(_OP_ARR)) & (op != "")
+        if not good.all():
+            self.counters["unknown_fn"] += int(np.count_nonzero(~good))
+            r, fn, op = r[good], fn[good], op[good]
+        n = len(r)
+        if n == 0:
+            return
+        pid = r["hdr"]["tgid"].astype(np.int64)
+        handle = r["comm"].astype(np.uint64)
+        first, inv = group_keys(pid, handle.view(np.int64))
+        # the n-th call of a (process, communicator) in this part: its position among that pair's calls
+        order = np.lexsort((np.arange(n), inv))
+        starts = np.r_[0, np.flatnonzero(inv[order][1:] != inv[order][:-1]) + 1]
+        nth = np.empty(n, np.int64)
+        nth[order] = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
+        base = np.empty(len(first), np.int64)
+        names = np.empty(len(first), object)
+        counts = np.bincount(inv, minlength=len(first))
+        for u in range(len(first)):  # in order of first sight, as call by call
+            i = int(first[u])
+            p = int(pid[i])
+            cs = self._comm(p, self.procs[p], int(handle[i]), int(r["hdr"]["ts_ns"][i]))
+            base[u], names[u] = cs.seq, cs.name
+            cs.seq += int(counts[u])
+        seq = base[inv] + nth
+        dt = r["datatype"].astype(np.int64)
+        count = r["count"].astype(np.int64)
+        root = r["root"].astype(np.int64)
+        gfirst, ginv = group_keys(inv, fn, count, dt, root)
+        gids = []
+        for g in gfirst.tolist():
+            u, f, c, d, ro = int(inv[g]), int(fn[g]), int(count[g]), int(dt[g]), int(root[g])
+            dtype, size = DTYPES.get(d, (f"nccl_dtype{d}", 0))
+            gids.append(self.groups.id(KIND_COLL, {"backend": "nccl", "comm": names[u], "op": OP_NAMES[f],
+                                                   "count": c, "dtype": dtype, "root": ro,
+                                                   "nbytes": c * size if size else -1}))
+        group = np.array(gids, np.int32)[ginv]
+        out.add(np.full(n, KIND_COLL, np.uint8), group,
+                {"seq": seq, "pid": pid, "rank": self._ranks[np.searchsorted(self._pids, pid)],
+                 "ts_ns": r["hdr"]["ts_ns"].astype(np.int64), "tid": r["hdr"]["tid"].astype(np.int64),
+                 "lib_seq": np.full(n, -1, np.int64)})
 
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
@@ -184,8 +279,8 @@ class NcclTranslator:
         if len(st.comms) >= MAX_COMMS_PER_PROC and handle not in st.comms:
             st.comms.clear()
         cs = st.comms[handle] = CommState(name, identity)
-        self.emit(ev.CommInit(pid=pid, rank=st.rank, ts_ns=ts, backend="nccl", comm=name,
-                              group_rank=group_rank, group_size=group_size, handle=handle))
+        self._out.event(ev.CommInit(pid=pid, rank=st.rank, ts_ns=ts, backend="nccl", comm=name,
+                                    group_rank=group_rank, group_size=group_size, handle=handle))
         return cs
 
     def _comm(self, pid: int, st: ProcState, handle: int, ts: int) -> CommState:
@@ -196,27 +291,18 @@ class NcclTranslator:
         return cs
 
     def __call__(self, kind: int, rec) -> None:
+        """One record of a rare kind (within records(): collective calls go through _colls)."""
         pid = rec.hdr.tgid
         st = self.procs.get(pid)
         if st is None:
             return  # a process we were told to forget; its probes are being detached
         ts = rec.hdr.ts_ns
-        if kind == COLL:
-            op = OP_NAMES.get(rec.fn)
-            if op is None:
-                self._count("unknown_fn")
-                return
-            cs = self._comm(pid, st, rec.comm, ts)
-            seq, cs.seq = cs.seq, cs.seq + 1
-            dtype, size = DTYPES.get(rec.datatype, (f"nccl_dtype{rec.datatype}", 0))
-            self.emit(ev.CollEnter(pid=pid, rank=st.rank, ts_ns=ts, backend="nccl", comm=cs.name, seq=seq,
-                                   op=op, tid=rec.hdr.tid, count=rec.count, dtype=dtype, root=rec.root,
-                                   nbytes=rec.count * size if size else -1))
-        elif kind == P2P_REC:
+        if kind == P2P_REC:
             cs = self._comm(pid, st, rec.comm, ts)
             dtype = DTYPES.get(rec.datatype, (f"nccl_dtype{rec.datatype}", 0))[0]
-            self.emit(ev.P2P(pid=pid, rank=st.rank, ts_ns=ts, backend="nccl", comm=cs.name,
-                             op=OP_NAMES.get(rec.fn, f"fn{rec.fn}"), peer=rec.root, count=rec.count, dtype=dtype))
+            self._out.event(ev.P2P(pid=pid, rank=st.rank, ts_ns=ts, backend="nccl", comm=cs.name,
+                                   op=OP_NAMES.get(rec.fn, f"fn{rec.fn}"), peer=rec.root, count=rec.count,
+                                   dtype=dtype))
         elif kind == COMM_INIT:
             self._on_init(pid, st, rec)
         elif kind == COMM_END:

@@ -7,11 +7,16 @@
  *   tcp:tcp_retransmit_skb    retransmissions
  *   tcp:tcp_receive_reset / tcp:tcp_send_reset      resets, either way
  *   sock:inet_sock_set_state  TCP state changes (ESTABLISHED -> CLOSE...)
- * Everything but the send/recv pair fires outside the process (softirq, timers), so those programs
- * filter by socket: only sockets already in `conns` (added by a traced process's send/recv) count.
+ * These fire for every socket of the machine, so each first tests one bit (an array lookup the
+ * verifier inlines: a few ns, no hash): the send/recv pair runs in the process and tests its pid's
+ * bit in `proc_bits`; everything else fires outside the process (softirq, timers) and tests the
+ * socket's bit in `sock_bits` (a hash of the socket's address; set when a traced process's socket
+ * enters `conns`, rebuilt by the agent when connections close), and only then looks the socket up in
+ * `conns`: only sockets already there (added by a traced process's send/recv) count.
  *
- * Maps: traced (tgid set, filled by the agent), conns (LRU: struct sock * -> cumulative counters and
- * the connection's 4-tuple). The agent reads `conns` every interval and ships what changed: one
+ * Maps: proc_bits (bitmap over pids: the traced processes, set by the agent; CCLD_PID_WORDS words of
+ * 64, from pid_max), sock_bits (bitmap over a hash of socket addresses: sockets that may be in
+ * conns), conns (LRU: struct sock * -> cumulative counters and the connection's 4-tuple). The agent reads `conns` every interval and ships what changed: one
  * record per connection per interval, never one per packet. Addresses and ports are read from the
  * socket at offsets the loader takes from the running kernel's BTF (-DSKC_*_OFF), never from headers.
  * Counters are updated with atomic adds: a socket is touched from several CPUs at once. An entry in
@@ -26,7 +31,15 @@
 #define CCLD_MAX_PROCS 4096
 #endif
 #ifndef CCLD_MAX_CONNS
-#define CCLD_MAX_CONNS 65536  /* a 4,096-rank full mesh from one 8-rank node: 32k sockets */
+#define CCLD_MAX_CONNS 8192  /* a 1,024-rank gloo full mesh from one 8-rank node; past it the LRU drops the
+                             * connections idle longest. The agent reads every bucket each drain: ~25 us
+                             * at this size, ~180 us at 65,536 */
+#endif
+#ifndef CCLD_PID_WORDS
+#define CCLD_PID_WORDS 65536  /* 4,194,304 pids (the 64-bit pid_max default) / 64; the loader passes the real one */
+#endif
+#ifndef CCLD_SOCK_WORDS
+#define CCLD_SOCK_WORDS 1024  /* 65,536 bits: with a few hundred traced sockets, ~1 % of others' ACKs look one up */
 #endif
 /* struct sock member offsets; the loader always passes the running kernel's (ccld/bpf/btf.py).
  * These defaults are 6.x x86-64 values, only so that `--ebpf` output compiles on its own. */
@@ -91,8 +104,40 @@ struct conn {
 };
 _Static_assert(sizeof(struct conn) == 144, "conn is 144 bytes (mirror: net.py Conn)");
 
-BPF_HASH(traced, u32, u8, CCLD_MAX_PROCS);
+BPF_ARRAY(proc_bits, u64, CCLD_PID_WORDS);
+BPF_ARRAY(sock_bits, u64, CCLD_SOCK_WORDS);
 BPF_TABLE("lru_hash", u64, struct conn, conns, CCLD_MAX_CONNS);
+
+static __always_inline int proc_on(u32 pid)
+{
+    u32 w = pid >> 6;
+    u64 *bits = proc_bits.lookup(&w);
+    return bits && (*bits & (1ULL << (pid & 63)));
+}
+
+/* The socket's bit: its address hashed (slab objects are cache-line aligned, so the low 6 bits carry
+ * nothing). sock_bit() must stay what ccld/bpf/net.py's sock_bit() computes. */
+static __always_inline u32 sock_bit(u64 sk)
+{
+    return (u32)((sk >> 6) ^ (sk >> 22)) & (CCLD_SOCK_WORDS * 64 - 1);
+}
+
+static __always_inline int sock_on(u64 sk)
+{
+    u32 b = sock_bit(sk);
+    u32 w = b >> 6;
+    u64 *bits = sock_bits.lookup(&w);
+    return bits && (*bits & (1ULL << (b & 63)));
+}
+
+static __always_inline void sock_mark(u64 sk)
+{
+    u32 b = sock_bit(sk);
+    u32 w = b >> 6;
+    u64 *bits = sock_bits.lookup(&w);
+    if (bits)
+        __sync_fetch_and_or(bits, 1ULL << (b & 63));
+}
 
 static __always_inline void read_tuple(struct conn *c, const void *sk)
 {
@@ -118,10 +163,10 @@ static __always_inline void read_tuple(struct conn *c, const void *sk)
 /* The send/recv pair: the process's own thread, so the tgid filter applies here. */
 static __always_inline int on_length(const void *sk, u16 family, u16 protocol, int ret, int is_tx)
 {
-    if (protocol != CCLD_IPPROTO_TCP || (family != CCLD_AF_INET && family != CCLD_AF_INET6))
-        return 0;
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    if (!traced.lookup(&tgid))
+    if (!proc_on(tgid))
+        return 0;
+    if (protocol != CCLD_IPPROTO_TCP || (family != CCLD_AF_INET && family != CCLD_AF_INET6))
         return 0;
     u64 key = (u64)sk;
     struct conn *c = conns.lookup(&key);
@@ -136,6 +181,8 @@ static __always_inline int on_length(const void *sk, u16 family, u16 protocol, i
         if (!c)
             return 0;
     }
+    if (!sock_on(key))
+        sock_mark(key);  /* after the agent rebuilt the bitmap without it: set again */
     u64 now = bpf_ktime_get_ns();
     if (ret > 0) {
         if (is_tx) {
@@ -169,6 +216,8 @@ TRACEPOINT_PROBE(sock, sock_recv_length)
 TRACEPOINT_PROBE(tcp, tcp_probe)
 {
     u64 key = (u64)args->skaddr;
+    if (!sock_on(key))
+        return 0;
     struct conn *c = conns.lookup(&key);
     if (!c || c->state == CCLD_TCP_CLOSE)
         return 0;
@@ -180,6 +229,8 @@ TRACEPOINT_PROBE(tcp, tcp_probe)
 TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 {
     u64 key = (u64)args->skaddr;
+    if (!sock_on(key))
+        return 0;
     struct conn *c = conns.lookup(&key);
     if (c && c->state != CCLD_TCP_CLOSE)
         __sync_fetch_and_add(&c->retrans, 1);
@@ -189,6 +240,8 @@ TRACEPOINT_PROBE(tcp, tcp_retransmit_skb)
 TRACEPOINT_PROBE(tcp, tcp_receive_reset)
 {
     u64 key = (u64)args->skaddr;
+    if (!sock_on(key))
+        return 0;
     struct conn *c = conns.lookup(&key);
     if (c && c->state != CCLD_TCP_CLOSE)
         __sync_fetch_and_add(&c->resets, 1);
@@ -198,6 +251,8 @@ TRACEPOINT_PROBE(tcp, tcp_receive_reset)
 TRACEPOINT_PROBE(tcp, tcp_send_reset)
 {
     u64 key = (u64)args->skaddr;
+    if (!sock_on(key))
+        return 0;
     struct conn *c = conns.lookup(&key);
     if (c && c->state != CCLD_TCP_CLOSE)
         __sync_fetch_and_add(&c->resets, 1);
@@ -206,9 +261,9 @@ TRACEPOINT_PROBE(tcp, tcp_send_reset)
 
 TRACEPOINT_PROBE(sock, inet_sock_set_state)
 {
-    if (args->protocol != CCLD_IPPROTO_TCP)
-        return 0;
     u64 key = (u64)args->skaddr;
+    if (!sock_on(key) || args->protocol != CCLD_IPPROTO_TCP)
+        return 0;
     struct conn *c = conns.lookup(&key);
     /* A CLOSE entry is finished: the agent ships and deletes it. Until then the freed socket's memory
      * may already belong to someone else's new socket, whose changes must not land here. */

@@ -30,6 +30,12 @@
  * Minimum kernel: 5.8 (ring buffer); uprobes.
  */
 #include <uapi/linux/ptrace.h>
+#ifndef CCLD_REC_SIZE
+#define CCLD_REC_SIZE 112  /* the largest record (rdma_qp_modify): every record takes this room */
+#endif
+#ifndef CCLD_RINGBUF_PAGES
+#define CCLD_RINGBUF_PAGES 64  /* 256 KiB: records come at connection set-up only */
+#endif
 #include "common.h"
 
 #ifndef CCLD_DEV_NAME_LEN
@@ -172,7 +178,7 @@ int create_qp(struct pt_regs *ctx)
 {
     if (ccld_untraced())
         return 0;
-    struct rdma_qp_create *r = events.ringbuf_reserve(sizeof(*r));
+    struct rdma_qp_create *r = events.ringbuf_reserve(CCLD_REC_SIZE);
     CCLD_FILL_OR_LOST(r, RDMA_QP_CREATE);
     u64 pd = PT_REGS_PARM1(ctx);
     u64 init = PT_REGS_PARM2(ctx);
@@ -190,7 +196,7 @@ int modify_qp(struct pt_regs *ctx)
 {
     if (ccld_untraced())
         return 0;
-    struct rdma_qp_modify *r = events.ringbuf_reserve(sizeof(*r));
+    struct rdma_qp_modify *r = events.ringbuf_reserve(CCLD_REC_SIZE);
     CCLD_FILL_OR_LOST(r, RDMA_QP_MODIFY);
     u64 qp = PT_REGS_PARM1(ctx);
     u64 attr = PT_REGS_PARM2(ctx);
@@ -248,7 +254,7 @@ int destroy_qp(struct pt_regs *ctx)
 {
     if (ccld_untraced())
         return 0;
-    struct rdma_qp_destroy *r = events.ringbuf_reserve(sizeof(*r));
+    struct rdma_qp_destroy *r = events.ringbuf_reserve(CCLD_REC_SIZE);
     CCLD_FILL_OR_LOST(r, RDMA_QP_DESTROY);
     u64 qp = PT_REGS_PARM1(ctx);
     r->qp = qp;

@@ -19,7 +19,7 @@ import logging
 from typing import Callable, Dict, List, Tuple
 
 from ccld import events as ev
-from ccld.bpf import elfver
+from ccld.bpf import elfver, records
 from ccld.bpf.loader import Family, Probe, lib_key
 from ccld.bpf.records import Header
 
@@ -51,12 +51,15 @@ class QpDestroy(ct.Structure):
                 ("dev", ct.c_char * DEV_NAME_LEN)]
 
 
+REC_SIZE = 112  # CCLD_REC_SIZE in rdma.bpf.c (rdma_qp_modify, the largest)
+
+
 class RdmaFamily(Family):
     NAME = "rdma"
     SOURCE = "rdma.bpf.c"
     # The real file behind libibverbs.so.1 (e.g. libibverbs.so.1.14.44.0), as /proc/PID/maps shows it.
     LIB_PATTERN = r"/libibverbs\.so\.1(\.[0-9.]+)?$"
-    KINDS = {QP_CREATE: QpCreate, QP_MODIFY: QpModify, QP_DESTROY: QpDestroy}
+    KINDS = records.Kinds({QP_CREATE: QpCreate, QP_MODIFY: QpModify, QP_DESTROY: QpDestroy}, REC_SIZE)
     PROBES = (
         # In every libibverbs since 1.1 (2006), hence required.
         Probe("ibv_create_qp", "create_qp", True, exact=True),
@@ -113,6 +116,12 @@ class RdmaTranslator:
 
     def forget(self, pid: int) -> None:
         self.ranks.pop(pid, None)
+
+    def records(self, rows, kinds) -> None:
+        """One drain: queue-pair calls come at connection set-up only, so each is read as a record."""
+        for row in rows:
+            rec = RdmaFamily.KINDS.record(row)
+            self(rec.hdr.kind, rec)
 
     def __call__(self, kind: int, rec) -> None:
         pid = rec.hdr.tgid

@@ -6,11 +6,21 @@
  *   sched:sched_wakeup / sched:sched_wakeup_new   a blocked thread becomes runnable: off-CPU ends,
  *                            runqueue wait starts
  * The woken thread is not the current one in sched_wakeup, so threads are recognised by tid: a thread
- * of a traced process enters `threads` the first time it is switched out.
+ * of a traced process enters `threads` the first time it is switched out, and leaves at its last
+ * switch, the one after it exited (prev_state EXIT_ZOMBIE or EXIT_DEAD): its tid may be anyone's next.
  *
- * Maps: traced (tgid set, filled by the agent), threads (LRU tid -> tgid and the start of its current
- * wait, so dead threads leak nothing), stats (tgid -> cumulative runqueue ns, waits, off-CPU ns,
- * switches), runq_max (tgid -> longest wait since the last drain). The agent reads both every interval.
+ * These fire on every context switch and wakeup of the machine, the job's or not, so the first thing
+ * each does is a test of one bit in a per-pid bitmap (an array lookup the verifier inlines: a few ns,
+ * no helper, no hash): `proc_bits` for the outgoing thread's process, `thread_bits` for the incoming
+ * (or woken) thread. Only then a clock read and the per-thread entry. Sums go into per-CPU arrays,
+ * one slot per traced process (no atomic adds, no cache line bouncing between CPUs); the agent adds
+ * the CPUs up when it drains.
+ *
+ * Maps: proc_bits / thread_bits (bitmaps over pids, CCLD_PID_WORDS words of 64: pid_max / 64, from
+ * the running kernel; set and cleared by the agent, thread bits also here), traced (tgid -> its slot,
+ * the agent's), threads (LRU tid -> its process, slot and the start of its current wait), stats
+ * (per-CPU, per slot: cumulative runqueue ns, waits, off-CPU ns, switches), runq_max (per-CPU, per
+ * slot: longest wait since the agent last reset it, every drain).
  * This is the evidence that separates "rank slow because its CPU is contended" from "its link is slow".
  * Minimum kernel: 4.x tracepoints; preemption is reported in prev_state as TASK_REPORT_MAX (0x100).
  */
@@ -22,10 +32,15 @@
 #ifndef CCLD_MAX_THREADS
 #define CCLD_MAX_THREADS 65536
 #endif
+#define CCLD_EXITED 0x30  /* prev_state of a task's last switch: EXIT_ZOMBIE (0x20) or EXIT_DEAD (0x10) */
+
+#ifndef CCLD_PID_WORDS
+#define CCLD_PID_WORDS 65536  /* 4,194,304 pids (the 64-bit pid_max default) / 64; the loader passes the real one */
+#endif
 
 struct thread {
     u32 tgid;
-    u32 pad;
+    u32 slot;        /* its process's slot in stats / runq_max */
     u64 runq_since;  /* runnable but not running since this time; 0 when not waiting */
     u64 off_since;   /* blocked (sleeping, I/O) since this time; 0 when not blocked */
 };
@@ -38,73 +53,120 @@ struct sched_stats {
 };
 _Static_assert(sizeof(struct sched_stats) == 32, "sched_stats is 32 bytes (mirror: sched.py SchedVal)");
 
-BPF_HASH(traced, u32, u8, CCLD_MAX_PROCS);
+BPF_ARRAY(proc_bits, u64, CCLD_PID_WORDS);
+BPF_ARRAY(thread_bits, u64, CCLD_PID_WORDS);
+BPF_HASH(traced, u32, u32, CCLD_MAX_PROCS);
 BPF_TABLE("lru_hash", u32, struct thread, threads, CCLD_MAX_THREADS);
-BPF_HASH(stats, u32, struct sched_stats, CCLD_MAX_PROCS);
-/* Longest single runqueue wait per tgid since the agent last deleted the entry (it does so every
- * drain). Kept apart from `stats` so that deleting it never races with the atomic adds there. */
-BPF_HASH(runq_max, u32, u64, CCLD_MAX_PROCS);
+BPF_PERCPU_ARRAY(stats, struct sched_stats, CCLD_MAX_PROCS);
+BPF_PERCPU_ARRAY(runq_max, u64, CCLD_MAX_PROCS);
 
-static __always_inline struct sched_stats *stats_of(u32 tgid)
+static __always_inline int proc_on(u32 pid)
 {
-    struct sched_stats zero = {};
-    stats.lookup_or_try_init(&tgid, &zero);
-    return stats.lookup(&tgid);
+    u32 w = pid >> 6;
+    u64 *bits = proc_bits.lookup(&w);
+    return bits && (*bits & (1ULL << (pid & 63)));
+}
+
+static __always_inline int thread_on(u32 tid)
+{
+    u32 w = tid >> 6;
+    u64 *bits = thread_bits.lookup(&w);
+    return bits && (*bits & (1ULL << (tid & 63)));
+}
+
+static __always_inline void thread_mark(u32 tid)
+{
+    u32 w = tid >> 6;
+    u64 *bits = thread_bits.lookup(&w);
+    if (bits)
+        __sync_fetch_and_or(bits, 1ULL << (tid & 63));  /* once per thread: the rare path */
+}
+
+static __always_inline void thread_unmark(u32 tid)
+{
+    u32 w = tid >> 6;
+    u64 *bits = thread_bits.lookup(&w);
+    if (bits)
+        __sync_fetch_and_and(bits, ~(1ULL << (tid & 63)));
 }
 
 TRACEPOINT_PROBE(sched, sched_switch)
 {
-    /* This runs on every context switch of the machine, traced or not: the clock is read only once
-     * one of the two threads turns out to be ours (0 = not read yet). */
-    u64 now = 0;
-    /* Outgoing thread: the current task is `prev`. */
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    if (traced.lookup(&tgid)) {
-        now = bpf_ktime_get_ns();
-        u32 tid = args->prev_pid;
-        struct thread t = {};
-        t.tgid = tgid;
-        if ((args->prev_state & 0xff) == 0)  /* TASK_RUNNING or preempted: straight back to the queue */
-            t.runq_since = now;
-        else
-            t.off_since = now;
-        threads.update(&tid, &t);
-        struct sched_stats *s = stats_of(tgid);
-        if (s)
-            __sync_fetch_and_add(&s->switches, 1);
-    }
-    /* Incoming thread: its runqueue wait ends. */
     u32 next = args->next_pid;
-    struct thread *n = threads.lookup(&next);
-    if (!n || !n->runq_since)
-        return 0;
-    if (!now)
-        now = bpf_ktime_get_ns();
-    struct sched_stats *s = stats_of(n->tgid);
-    if (s && now > n->runq_since) {
-        u64 d = now - n->runq_since;
-        __sync_fetch_and_add(&s->runq_ns, d);
-        __sync_fetch_and_add(&s->runq_waits, 1);
-        u32 owner = n->tgid;
-        u64 *m = runq_max.lookup(&owner);
-        if (!m)
-            runq_max.update(&owner, &d);
-        else if (d > *m)
-            *m = d;  /* racy between CPUs; a lost maximum is only evidence, not a count */
+    int out_on = proc_on(tgid), in_on = thread_on(next);
+    if (!out_on && !in_on)
+        return 0;  /* neither thread is a traced process's: the common case on a busy node */
+    u64 now = bpf_ktime_get_ns();
+    if (out_on) {  /* the current task is `prev`, leaving the CPU */
+        u32 tid = args->prev_pid;
+        if (args->prev_state & CCLD_EXITED) {  /* its last switch: forget the thread */
+            thread_unmark(tid);
+            threads.delete(&tid);
+            goto incoming;
+        }
+        struct thread *t = threads.lookup(&tid);
+        if (t == NULL || t->tgid != tgid) {
+            u32 *slot = traced.lookup(&tgid);
+            if (slot != NULL) {
+                struct thread fresh = {.tgid = tgid, .slot = *slot};
+                threads.update(&tid, &fresh);
+                t = threads.lookup(&tid);
+                thread_mark(tid);
+            } else {
+                t = NULL;  /* a bit left over from a process no longer traced */
+            }
+        } else if (!thread_on(tid)) {
+            thread_mark(tid);  /* its bit lost to the agent's clearing of a neighbour's: set again */
+        }
+        if (t != NULL) {
+            if ((args->prev_state & 0xff) == 0) {  /* TASK_RUNNING or preempted: straight back to the queue */
+                t->runq_since = now;
+                t->off_since = 0;
+            } else {
+                t->off_since = now;
+                t->runq_since = 0;
+            }
+            u32 slot = t->slot;
+            struct sched_stats *s = stats.lookup(&slot);
+            if (s)
+                s->switches++;
+        }
     }
-    n->runq_since = 0;
+incoming:
+    if (in_on) {  /* `next` comes on: its runqueue wait ends */
+        struct thread *n = threads.lookup(&next);
+        if (n == NULL || !n->runq_since)
+            return 0;
+        u32 slot = n->slot;
+        if (now > n->runq_since) {
+            u64 d = now - n->runq_since;
+            struct sched_stats *s = stats.lookup(&slot);
+            if (s) {
+                s->runq_ns += d;
+                s->runq_waits++;
+            }
+            u64 *m = runq_max.lookup(&slot);
+            if (m && d > *m)
+                *m = d;
+        }
+        n->runq_since = 0;
+    }
     return 0;
 }
 
 static __always_inline int on_wakeup(u32 tid)
 {
+    if (!thread_on(tid))
+        return 0;
     struct thread *t = threads.lookup(&tid);
     if (!t || !t->off_since)
         return 0;
     u64 now = bpf_ktime_get_ns();
-    struct sched_stats *s = stats_of(t->tgid);
+    u32 slot = t->slot;
+    struct sched_stats *s = stats.lookup(&slot);
     if (s && now > t->off_since)
-        __sync_fetch_and_add(&s->offcpu_ns, now - t->off_since);
+        s->offcpu_ns += now - t->off_since;
     t->off_since = 0;
     t->runq_since = now;
     return 0;

@@ -1,17 +1,25 @@
 """Loader of sched.bpf.c: runqueue wait and off-CPU time of the traced ranks, shipped as SchedStats.
 
-Every DRAIN_MS the agent reads `stats` (cumulative per process) and `runq_max` (longest wait since the
-last drain, deleted as it is read) and ships one SchedStats per traced process whose numbers moved.
+Each traced process gets a slot in the program's per-CPU arrays (its `traced` value). Every DRAIN_MS
+the agent reads its slot of `stats` (cumulative, one copy per CPU: added up here) and of `runq_max`
+(longest wait since the last drain, per CPU: the largest is taken and the slot reset), and ships one
+SchedStats per traced process whose numbers moved: a few map reads per process, never per switch.
 Times are nanoseconds of CLOCK_MONOTONIC; the counters are cumulative from when the agent attached.
 """
 from __future__ import annotations
 
 import ctypes as ct
 import time
-from typing import Callable, Dict, Tuple
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Tuple
+
+import numpy as np
 
 from ccld import events as ev
-from ccld.bpf.loader import KernelFamily
+from ccld.bpf.loader import Attachment, KernelFamily, set_bit
+from ccld.errors import EnvironmentProblem
+
+MAX_PROCS = 4096  # = CCLD_MAX_PROCS: slots in the per-CPU arrays
 
 
 class SchedVal(ct.Structure):
@@ -24,25 +32,68 @@ class SchedFamily(KernelFamily):
     NAME = "sched"
     SOURCE = "sched.bpf.c"
 
-    def drain(self) -> None:
-        maxes = self.bpf[b"runq_max"]
-        peak: Dict[int, int] = {}
-        for k, v in list(maxes.items()):
-            peak[k.value] = v.value
-            try:
-                del maxes[k]
-            except KeyError:
-                pass
-        stats = self.bpf[b"stats"]
-        for k, v in stats.items():
-            tgid = k.value
-            if tgid in self.attached:
-                self.on_record(tgid, (v, peak.get(tgid, 0)))
-            else:
+    def __init__(self, on_record, cflags=()):
+        super().__init__(on_record, cflags)
+        self.slots: Dict[int, int] = {}          # traced pid -> its slot
+        self._readers = None                     # mapread.BatchReader of stats and runq_max
+        self._free: List[int] = list(range(MAX_PROCS - 1, -1, -1))
+
+    def _trace(self, pid: int, att: Attachment) -> None:
+        if pid not in self.slots:
+            if not self._free:
+                raise EnvironmentProblem(f"sched: {MAX_PROCS} processes traced already", "raise CCLD_MAX_PROCS")
+            slot = self.slots[pid] = self._free.pop()
+            zero = self.bpf[b"stats"].Leaf()  # a fresh slot: no counts of the process that had it
+            self.bpf[b"stats"][ct.c_int(slot)] = zero
+            self.bpf[b"runq_max"][ct.c_int(slot)] = self.bpf[b"runq_max"].Leaf()
+        self.bpf[b"traced"][ct.c_uint32(pid)] = ct.c_uint32(self.slots[pid])
+        set_bit(self.bpf[b"proc_bits"], pid, True, self.NAME)
+
+    def _untrace(self, pid: int) -> None:
+        super()._untrace(pid)
+        slot = self.slots.pop(pid, None)
+        # its threads: out of `threads` and `thread_bits` (a reused tid must not count for it)
+        threads, bits = self.bpf[b"threads"], self.bpf[b"thread_bits"]
+        try:
+            entries = list(threads.items_lookup_batch())
+        except Exception:
+            entries = list(threads.items())
+        for k, t in entries:
+            if t.tgid == pid:
+                tid = k.value if hasattr(k, "value") else int(k)
                 try:
-                    del stats[k]  # a process no longer traced: its counters would only grow stale
+                    del threads[ct.c_uint32(tid)]
                 except KeyError:
                     pass
+                if tid >> 6 < bits.max_entries:
+                    set_bit(bits, tid, False, self.NAME)
+        if slot is not None:
+            self._free.append(slot)
+
+    def drain(self) -> None:
+        """Every traced process's slot of the per-CPU sums, added up over the CPUs, and of the
+        per-CPU longest waits (the largest taken; a slot that had one is reset): one batch read of
+        each array for all processes (mapread), not a lookup per process."""
+        if not self.slots:
+            return
+        from ccld.bpf.mapread import BatchReader
+        stats, maxes = self.bpf[b"stats"], self.bpf[b"runq_max"]
+        if self._readers is None:
+            self._readers = (BatchReader(stats), BatchReader(maxes))
+        top = max(self.slots.values()) + 1
+        _, sv = self._readers[0].read(limit=top)
+        _, mv = self._readers[1].read(limit=top)
+        if len(sv) < top or len(mv) < top:
+            return  # a partial read (the kernel reported no progress): the next drain has them all
+        sums = sv.view(np.uint64).reshape(top, -1, 4).sum(axis=1)   # slot -> (runq_ns, waits, offcpu, switches)
+        peaks = mv.view(np.uint64).reshape(top, -1).max(axis=1)
+        zero = maxes.Leaf()
+        for pid, slot in list(self.slots.items()):
+            peak = int(peaks[slot])
+            if peak:
+                maxes[ct.c_int(slot)] = zero
+            r = sums[slot].tolist()
+            self.on_record(pid, (SimpleNamespace(runq_ns=r[0], runq_waits=r[1], offcpu_ns=r[2], switches=r[3]), peak))
 
 
 class SchedTranslator:

@@ -10,13 +10,19 @@ labelled "store"; one whose far end is no known rank is "external".
 Over time: each connection's counter deltas go into per-(job, src rank, dst rank) one-second buckets
 (a bounded ring, SERIES_BUCKETS long): bytes sent src->dst, retransmissions (counted by the sender),
 resets, and the sender's smoothed RTT. Times are Unix seconds (converted by the Timeline's clock).
+A pair's baseline (pair_baselines: its own median and spread of RTT, its retransmission rate and
+burstiness) is made from those buckets in the BASELINE_SPAN_S before a cut-off the caller chooses,
+so a fault after it is not "normal".
 Bounds: MAX_CONNS connections, MAX_PAIRS pairs; the rest is counted in the timeline's anomalies.
 """
 from __future__ import annotations
 
 import collections
+import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import AbstractSet, Callable, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
 
 from ccld import events as ev
 
@@ -25,6 +31,11 @@ MAX_PAIRS = 262_144
 MAX_UNPLACED = 32       # deltas held per connection while its far end is unknown; older ones are merged
 BUCKET_S = 1.0          # link series resolution: finer than any finding needs, coarse enough to stay small
 SERIES_BUCKETS = 900    # 15 minutes of history per rank pair
+BASELINE_SPAN_S = 300.0 # a pair's baseline is its last 5 minutes before the cut-off: long enough for a
+                        # robust median and 90th percentile, short enough that a baseline of thousands of
+                        # pairs costs well under a second (~0.1 ms per pair), once per slowdown
+RETRANS_SPAN_S = 32     # a baseline's burstiness is kept for windows of 1, 2, 4 ... this many seconds (a
+                        # slowdown is judged over ~10 s); longer windows are bounded from the longest
 LOOPBACK_PREFIXES = ("127.", "::1", "0.0.0.0", "::")
 
 ConnKey = Tuple[str, int, str, int, str, int]  # (node, pid, saddr, sport, daddr, dport)
@@ -86,11 +97,86 @@ class PairSummary:
     srtt_max_us: int = 0
     srtt_mean_us: float = 0.0
     seconds: int = 0   # buckets in the window with any report
+    srtt_median_us: float = 0.0  # median over the window's seconds of each one's mean srtt: one odd second
+                                 # (a loaded host stalls a socket's ACKs now and then) moves it little
 
     def as_dict(self) -> Dict[str, float]:
         return {"src": self.src, "dst": self.dst, "tx_bytes": self.tx_bytes, "retrans": self.retrans,
                 "resets": self.resets, "errs": self.errs, "srtt_max_us": self.srtt_max_us,
-                "srtt_mean_us": round(self.srtt_mean_us, 1), "seconds": self.seconds}
+                "srtt_mean_us": round(self.srtt_mean_us, 1), "srtt_median_us": round(self.srtt_median_us, 1),
+                "seconds": self.seconds}
+
+
+@dataclass(frozen=True)
+class PairBaseline:
+    """One direction of one rank pair in its own normal: per-second figures over the buckets before a
+    cut-off (JSON-ready through as_dict). RTT figures come from the seconds in which it sent data
+    (the kernel's srtt says nothing about an idle socket); retransmissions from every reported second."""
+    src: int
+    dst: int
+    rtt_seconds: int = 0          # buckets with RTT samples behind rtt_median_us / rtt_p90_us
+    rtt_median_us: float = 0.0    # median over those buckets of each bucket's mean srtt
+    rtt_p90_us: float = 0.0       # ... and their 90th percentile: how far the pair's RTT strays when healthy
+    seconds: int = 0              # buckets with any report
+    retrans_per_s: float = 0.0    # mean retransmissions per reported second
+    retrans_most: Tuple[int, ...] = ()  # the most retransmissions in any 1, 2, 4, ... RETRANS_SPAN_S consecutive
+                                  # reported seconds: how bursty the pair's healthy noise is, at each scale
+
+    def retrans_noise(self, seconds: int) -> int:
+        """The most retransmissions the pair showed in `seconds` consecutive healthy seconds (rounded
+        up to the next power of two, past RETRANS_SPAN_S scaled by the number of such spans): an upper
+        bound of its noise over a window that long."""
+        if not self.retrans_most or seconds <= 0:
+            return 0
+        i = max(0, (seconds - 1).bit_length())
+        if i < len(self.retrans_most):
+            return self.retrans_most[i]
+        longest = 1 << (len(self.retrans_most) - 1)
+        return self.retrans_most[-1] * -(-seconds // longest)
+
+    def as_dict(self) -> Dict[str, object]:
+        return {"rtt_seconds": self.rtt_seconds, "rtt_median_us": round(self.rtt_median_us, 1),
+                "rtt_p90_us": round(self.rtt_p90_us, 1), "seconds": self.seconds,
+                "retrans_per_s": round(self.retrans_per_s, 3), "retrans_most": list(self.retrans_most)}
+
+
+def _excluded(t0: float, spans: Tuple[Tuple[float, float], ...]) -> bool:
+    return any(t0 + BUCKET_S > a and t0 < b for a, b in spans)
+
+
+def baseline_of(src: int, dst: int, buckets: Deque[Bucket], before: float,
+                exclude: Tuple[Tuple[float, float], ...] = ()) -> PairBaseline:
+    """The baseline of one pair from its buckets of the BASELINE_SPAN_S that end by `before`, less
+    those that overlap an `exclude` span. O(buckets in the span)."""
+    rtts: List[float] = []
+    rets: List[int] = []
+    oldest = before - BASELINE_SPAN_S
+    for b in reversed(buckets):
+        t0 = b.t0
+        if t0 + BUCKET_S > before:
+            continue
+        if t0 < oldest:
+            break
+        if exclude and _excluded(t0, exclude):
+            continue
+        rets.append(b.retrans)
+        if b.srtt_n:
+            rtts.append(b.srtt_sum_us / b.srtt_n)
+    if not rets:
+        return PairBaseline(src, dst)
+    rets.reverse()  # oldest first: the runs of consecutive seconds below are in time order either way
+    rtts.sort()
+    run = np.concatenate(([0], np.cumsum(rets)))
+    most = []
+    span = 1
+    while span <= RETRANS_SPAN_S:
+        k = min(span, len(rets))
+        most.append(int((run[k:] - run[:-k]).max()))
+        span *= 2
+    n = len(rtts)
+    return PairBaseline(src, dst, rtt_seconds=n, rtt_median_us=statistics.median(rtts) if n else 0.0,
+                        rtt_p90_us=rtts[min(n - 1, int(n * 0.9))] if n else 0.0,
+                        seconds=len(rets), retrans_per_s=int(run[-1]) / len(rets), retrans_most=tuple(most))
 
 
 def _scope(node: str, addr: str) -> str:
@@ -241,6 +327,7 @@ class LinkTable:
                 continue
             s = PairSummary(src, dst)
             n_srtt = 0
+            per_s: List[float] = []
             for b in reversed(q):
                 if b.t0 < t_from - BUCKET_S:
                     break
@@ -254,8 +341,23 @@ class LinkTable:
                 s.srtt_mean_us += b.srtt_sum_us
                 n_srtt += b.srtt_n
                 s.seconds += 1
+                if b.srtt_n:
+                    per_s.append(b.srtt_sum_us / b.srtt_n)
             s.srtt_mean_us = s.srtt_mean_us / n_srtt if n_srtt else 0.0
+            s.srtt_median_us = statistics.median(per_s) if per_s else 0.0
             out[(src, dst)] = s
+        return out
+
+    def pair_baselines(self, job: str, before: float, exclude: Tuple[Tuple[float, float], ...] = (),
+                       ranks: Optional[AbstractSet[int]] = None) -> Dict[Tuple[int, int], PairBaseline]:
+        """Per directed rank pair of `job` (both ends in `ranks`, when given): its baseline from the
+        buckets that end by `before` and overlap none of the `exclude` spans (Unix seconds: earlier
+        slowdowns, so that a fault does not become the normal it is judged against). O(buckets)."""
+        out: Dict[Tuple[int, int], PairBaseline] = {}
+        for (j, src, dst), q in self.series.items():
+            if j != job or (ranks is not None and (src not in ranks or dst not in ranks)):
+                continue
+            out[(src, dst)] = baseline_of(src, dst, q, before, exclude)
         return out
 
     def conns_between(self, job: str, a: int, b: int) -> List[Conn]:

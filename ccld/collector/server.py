@@ -83,7 +83,7 @@ class _RateLimitedLog:
 class Collector:
     def __init__(self, listen: str = DEFAULT_LISTEN, store_dir: Optional[str] = None,
                  findings_path: Optional[str] = None, on_line: Callable[[str], Any] = print,
-                 floor_s: float = 5.0, k: float = 4.0, tick_s: float = TICK_S,
+                 floor_s: Optional[float] = None, k: float = 4.0, tick_s: float = TICK_S,
                  keys: Optional["ServerKeys"] = None, stacks: bool = True, time_listen: Optional[str] = "auto"):
         self.listen = listen
         self.time_listen = time_listen  # the agents' clock sync (timesvc.py): "auto" = events port + 1
@@ -312,8 +312,11 @@ class Collector:
     def quiesce(self) -> None:
         """The job is about to be stopped on purpose (`ccld run` interrupted): from now on no detection
         runs, so ranks that our own SIGTERM catches between two collectives are not reported as a hang.
-        Frames are still received and stored."""
+        Frames are still received and stored; the store remembers when (quiesced_at), so a replay stops
+        its detectors there too."""
         self.quiesced = True
+        if self._store is not None:
+            self._store.meta.setdefault("quiesced_at", time.time())  # written to store.json at close
 
     def tick(self, now: float, stacks: bool = True) -> None:
         """Run the detectors at Unix time `now`; report what is new, what changed and what recovered."""

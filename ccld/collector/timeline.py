@@ -15,16 +15,19 @@ job's whole world.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, FrozenSet, Optional, Set, Tuple
+from typing import Any, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from ccld import events as ev
 from ccld.blocks import Block, in_order, run_rows
+from ccld.collector.blocked import BlockedTable
 from ccld.collector.clock import ClockTable
 from ccld.collector.gpu import GPU_EVENTS, GpuJoin
 from ccld.collector.links import LinkTable
+from ccld.collector.p2p import CommP2P, P2POp
 from ccld.collector.rdma import RdmaTable
 
 MAX_COLLS_PER_COMM = 4096     # hang detection looks at the newest; 4096 covers minutes of a fast job ...
@@ -33,10 +36,13 @@ MIN_COLLS_PER_COMM = 64              # fewer: 1M / group size (>= 64): 256 at 4,
 MAX_COMMS = 10_000            # process groups per collector; real jobs have a handful per job
 MAX_RANKS = 100_000           # processes per collector
 MAX_WORLD_SIZE = 1 << 17      # 131,072 ranks: above the largest jobs run today; a bigger value is a corrupt event
+SMALL_WORLD = 64              # a world this small is believed before its ranks are announced (tests, small jobs)
 MAX_PENDING_NO_CLOCK = 100_000  # events held until their agent's first clock sample (sent every batch)
 PEAK_BUCKET_S = 300.0         # arrival-spread/duration peaks are kept per 5-minute bucket ...
 PEAK_BUCKETS = 12             # ... for an hour: a checkpoint every N minutes is still remembered
 NOT_APPLIED = float("-inf")   # a column block row's time when the fast path left it to _apply
+RUNQ_HISTORY = 128            # scheduler reports kept per rank (every 0.5 s: a minute)
+RUNQ_MIN_SPAN_S = 2.0         # a runqueue share over a span needs at least this much of it
 
 
 @dataclass
@@ -65,6 +71,16 @@ class RankRecord:
     runq_max_ns: int = 0              # longest single wait in the latest report's interval
     runq_share: Optional[float] = None  # runqueue seconds per second between the last two reports
     sched_at: Optional[float] = None
+    runq_hist: Deque[Tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=RUNQ_HISTORY))
+
+    def runq_since(self, since: float) -> Optional[float]:
+        """Runqueue seconds per second from the first report at or after `since` to the latest (the
+        share over a span, which one noisy report cannot tip), or None with under two reports."""
+        h = self.runq_hist
+        first = next((x for x in h if x[0] >= since), None)
+        if first is None or h[-1][0] - first[0] < RUNQ_MIN_SPAN_S:
+            return None
+        return (h[-1][1] - first[1]) / 1e9 / (h[-1][0] - first[0])
 
     def saw(self, t: float) -> None:
         """An event of this process at `t`: keeps the newest (frames can arrive out of order)."""
@@ -119,10 +135,18 @@ class Comm:
     completed: int = 0
     resets: int = 0
     expected: FrozenSet[int] = frozenset()                 # expected_members' answer, while expected_key holds
-    expected_key: Tuple[int, int, int] = (-2, -2, -2)
+    expected_key: Tuple[int, ...] = (-2, -2, -2, -2)
+    group_of: Dict[int, int] = field(default_factory=dict)     # global rank -> group rank (CommInit)
+    global_by_group: Dict[int, int] = field(default_factory=dict)  # its inverse
+    ordered: Tuple[Any, List[int]] = ((), [])                  # (expected_key, sorted expected members): a cache
+    seq_sources: Dict[int, str] = field(default_factory=dict)  # global rank -> CommInit.seq_source
+    p2p: Optional[CommP2P] = None                              # its point-to-point ops, once it has any
+    unseen_noted: bool = False  # hang.py counted (once) that a crowd of its members was never reported
+    first_done_at: Optional[float] = None  # when its first collective completed (how long its normal is known)
 
 
-_RANK_EVENTS = (ev.RankState, ev.RankExit, ev.CommInit, ev.CollEnter, ev.WorkStart, ev.WorkEnd, ev.P2P)
+_RANK_EVENTS = (ev.RankState, ev.RankExit, ev.CommInit, ev.CollEnter, ev.WorkStart, ev.WorkEnd, ev.P2P,
+                ev.P2PEnd)
 # kind -> the fields the fast path reads once per block, from its shared fields: a block that has any of
 # them as a column takes the event-by-event path
 _FAST_SHARED = {"coll": frozenset({"op", "backend", "count", "dtype", "nbytes"}),
@@ -143,6 +167,7 @@ class Timeline:
         self.clock = ClockTable()
         self.ranks: Dict[Tuple[str, int], RankRecord] = {}
         self.by_rank: Dict[Tuple[str, int], Tuple[str, int]] = {}   # (job, global rank) -> (node, pid)
+        self.job_ranks: collections.Counter = collections.Counter()  # job -> distinct ranks announced
         self.jobs: Dict[str, int] = {}                              # job -> world size
         self.comms: Dict[str, Comm] = {}
         self.agents: Dict[str, Dict[str, Any]] = {}                 # agent -> hello, node, last batch, recv
@@ -153,6 +178,7 @@ class Timeline:
         self.gpu = GpuJoin(self)  # CUPTI kernels joined to collectives
         self.links = LinkTable(self.anomalies)
         self.rdma = RdmaTable(self.anomalies)
+        self.blocked = BlockedTable(self.anomalies)  # per rank, time spent waiting in communication
         # Exact per-(global rank, op) counts, for tests and sanity checks (all jobs together).
         self.enter_counts: collections.Counter = collections.Counter()
         self.end_counts: collections.Counter = collections.Counter()
@@ -329,6 +355,9 @@ class Timeline:
             view.start.update(zip(ranks, times))
             return True
         view.end.update(zip(ranks, times))
+        enter, add = view.enter.get, self.blocked.add
+        for r, t in zip(ranks, times):
+            add(comm.job, r, enter(r), t)
         if not ok:
             view.failed.update(dict.fromkeys(ranks, same.get("error") or "failed"))
         ops, vop = view.ops, view.op or "unknown"
@@ -428,6 +457,8 @@ class Timeline:
         else:
             self.jobs.setdefault(e.job, -1)
         if e.rank >= 0:
+            if (e.job, e.rank) not in self.by_rank:
+                self.job_ranks[e.job] += 1
             self.by_rank[(e.job, e.rank)] = (node, e.pid)  # a restarted rank (new pid) replaces the old
         self.links.note_job(e.job, e.master_addr, e.master_port)
 
@@ -438,6 +469,8 @@ class Timeline:
             return
         if rec.sched_at is not None and rec.runq_ns >= 0 and e.runq_ns >= rec.runq_ns and t > rec.sched_at:
             rec.runq_share = (e.runq_ns - rec.runq_ns) / 1e9 / (t - rec.sched_at)
+        if e.runq_ns >= 0 and (not rec.runq_hist or (t > rec.runq_hist[-1][0] and e.runq_ns >= rec.runq_hist[-1][1])):
+            rec.runq_hist.append((t, e.runq_ns))
         rec.runq_ns, rec.runq_waits, rec.offcpu_ns = e.runq_ns, e.runq_waits, e.offcpu_ns
         rec.runq_max_ns, rec.sched_at = e.runq_max_ns, t
         rec.saw(t)
@@ -466,15 +499,22 @@ class Timeline:
             self.p2p_counts[(rank, e.op)] += 1
             if rec is not None:
                 rec.last_p2p = (e.op, e.peer, t)
-            return
         comm = self._comm(e.comm, rec, rank, node, e.pid, isinstance(e, ev.CommInit))
         if comm is None:
             return
-        if isinstance(e, ev.CommInit):
+        if isinstance(e, (ev.P2P, ev.P2PEnd)):
+            self._p2p(agent, comm, rank, e, t)
+        elif isinstance(e, ev.CommInit):
             comm.backend = e.backend or comm.backend
             if e.group_size >= 0:
                 comm.group_size = e.group_size
             comm.members.add(rank)
+            if e.seq_source:
+                comm.seq_sources[rank] = e.seq_source
+            if e.group_rank >= 0:  # seen at its creation: this rank's p2p numbering began with the group
+                comm.group_of[rank] = e.group_rank
+                comm.global_by_group[e.group_rank] = rank
+                self._p2p_of(comm).exact.add(rank)
         elif isinstance(e, ev.CollEnter):
             self._enter(comm, rank, e, t)
         elif isinstance(e, (ev.WorkStart, ev.WorkEnd)):
@@ -489,10 +529,27 @@ class Timeline:
                 self.anomalies["duplicate-end"] += 1
             else:
                 view.end[rank] = t
+                self.blocked.add(comm.job, rank, view.enter.get(rank), t)
                 if not e.ok:
                     view.failed[rank] = e.error or "failed"
                 self.end_counts[(rank, view.ops.get(rank) or view.op or "unknown")] += 1
                 self._maybe_completed(comm, view)
+
+    def _p2p_of(self, comm: Comm) -> CommP2P:
+        if comm.p2p is None:
+            comm.p2p = CommP2P(self.anomalies)
+        return comm.p2p
+
+    def _p2p(self, agent: str, comm: Comm, rank: int, e, t: float) -> None:
+        comm.members.add(rank)
+        table = self._p2p_of(comm)
+        if isinstance(e, ev.P2P):
+            table.post(rank, e, t)
+        else:
+            wait_at = self.clock.to_unix(agent, e.wait_ns) if e.wait_ns > 0 else None
+            op = table.end(rank, e, t, wait_at)
+            if op is not None:
+                self.blocked.add(comm.job, rank, op.blocked_from(), t)
 
     def _comm(self, cid: str, rec: Optional[RankRecord], rank: int, node: str, pid: int,
               is_init: bool) -> Optional[Comm]:
@@ -562,6 +619,8 @@ class Timeline:
             return
         view.completed_at = max(map(view.end.__getitem__, expected))
         comm.completed += 1
+        if comm.first_done_at is None:
+            comm.first_done_at = view.completed_at
         spread = view.last_enter() - view.first_enter()
         duration = max(0.0, view.completed_at - view.last_enter())
         bucket = int(view.completed_at // PEAK_BUCKET_S)
@@ -576,19 +635,67 @@ class Timeline:
         """Global ranks that must take part in every collective of `comm_id`.
 
         The whole world of the job when the group spans it (or its size is unknown, which happens
-        when we attached after the group was built); otherwise the ranks that announced it.
+        when we attached after the group was built) and the agents have announced enough of that world
+        to believe it (at least half of it, or it is small); otherwise the ranks that announced it. A
+        world no agent backs (a frame claiming 2^17 ranks, a job traced on a few of its nodes) would
+        make every tick weigh ranks nobody reports.
         """
         comm = self.comms.get(comm_id)
         if comm is None:
             return frozenset()
         world = self.jobs.get(comm.job, -1) if comm.job else -1
+        seen = self.job_ranks.get(comm.job, 0)
         # Asked for every WorkEnd: building range(world) each time made a collective cost O(world^2).
-        key = (world, comm.group_size, len(comm.members))
+        key = (world, comm.group_size, len(comm.members), seen)
         if comm.expected_key != key:
-            spans = world > 0 and (comm.group_size < 0 or comm.group_size == world)
+            spans = world > 0 and (comm.group_size < 0 or comm.group_size == world) \
+                and world <= 2 * seen + SMALL_WORLD
             comm.expected = frozenset(range(world)) if spans else frozenset(comm.members)
             comm.expected_key = key
         return comm.expected
+
+    def global_of(self, comm: Comm, group_rank: int) -> Optional[int]:
+        """The global rank of `comm`'s group rank `group_rank`: from the members' CommInits, else the
+        group rank itself when the group spans the job's world (the default group), else the n-th
+        smallest member (torch orders a new group's ranks); None when that cannot be told yet."""
+        got = comm.global_by_group.get(group_rank)
+        if got is not None:
+            return got
+        expected = self.expected_members(comm.id)
+        world = self.jobs.get(comm.job, -1) if comm.job else -1
+        if world > 0 and len(expected) == world:
+            return group_rank if 0 <= group_rank < world else None
+        ordered = self._ordered(comm, expected)
+        return ordered[group_rank] if 0 <= group_rank < len(ordered) else None
+
+    def _ordered(self, comm: Comm, expected: FrozenSet[int]) -> List[int]:
+        if comm.ordered[0] != comm.expected_key:
+            comm.ordered = (comm.expected_key, sorted(expected))
+        return comm.ordered[1]
+
+    def group_of(self, comm: Comm, rank: int) -> Optional[int]:
+        """`global_of`'s inverse."""
+        g = comm.group_of.get(rank)
+        if g is not None:
+            return g
+        expected = self.expected_members(comm.id)
+        world = self.jobs.get(comm.job, -1) if comm.job else -1
+        if world > 0 and len(expected) == world:
+            return rank
+        if rank not in expected:
+            return None
+        return bisect.bisect_left(self._ordered(comm, expected), rank)
+
+    def open_p2p(self, job: str, rank: int) -> Optional[Tuple[Comm, P2POp]]:
+        """The newest p2p op `rank` posted and is not over, on any communicator of `job`, or None."""
+        best: Optional[Tuple[Comm, P2POp]] = None
+        for c in self.comms.values():
+            if c.p2p is None or c.job != job:
+                continue
+            op = c.p2p.newest_open(rank)
+            if op is not None and (best is None or op.posted > best[1].posted):
+                best = (c, op)
+        return best
 
     def recent_peaks(self, comm_id: str, now: float) -> Tuple[float, float]:
         """(max arrival spread s, max duration s) of the collectives completed in the last hour."""

@@ -2,11 +2,15 @@
 
 `Diagnoser` is the facade: one question-shaped method per question, each delegating to one module
 and combining what they say:
-  find_hangs         hang.py (not-entered, fault, stuck inside), with inconsistent.py's findings in
-                     front of the hangs they explain, and links.find_link_faults replacing a hang
-                     it pins on a link;
+  find_hangs         hang.py (collectives: not-entered, fault, stuck inside) and p2phang.py (a send
+                     or recv whose peer never posts its side, or that is stuck), each blaming the
+                     heads of the chains of waits (waits.py), one finding per job and culprits;
+                     inconsistent.py's findings in front of the hangs they explain, and
+                     links.find_link_faults replacing a hang it pins on a link;
   find_inconsistent  inconsistent.py (different ops/sizes at one (comm, seq), diverged sequences);
-  find_slow          slow.py (comp-slow: late arrivals) and links.find_comm_slow (comm-slow); a
+  find_slow          slow.py (comp-slow: late arrivals), busy.py (comp-slow: a rank whose own work
+                     grew while the others wait longer, e.g. a pipeline stage), links.find_comm_slow
+                     and p2pslow.py (comm-slow: collectives, or one stream's p2p transfers); a
                      comm-slow whose cause is one rank's CPU (its runqueue wait stands out) is a
                      comp-slow of that rank; comp- and comm-slow on one communicator are one
                      `mixed-slow` finding naming both, unless the late rank is CPU-contended and the
@@ -20,10 +24,12 @@ Callers hold the timeline's lock (if any) for find_*; the Diagnoser keeps small 
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from ccld.diagnose import hang, inconsistent, links, slow
+from ccld.diagnose import busy, hang, inconsistent, links, p2phang, p2pslow, slow, waits
 from ccld.diagnose.findings import Finding
+
+COMM_SLOW_HOLD_S = 5.0  # a comm-slow finding must hold this long (see Diagnoser._held); slowdowns have 60 s
 
 
 def _with_comm_slow(c: Finding, evidence, link) -> Finding:
@@ -56,19 +62,29 @@ def mix(comp: List[Finding], comm: List[Finding]) -> List[Finding]:
 
 
 class Diagnoser:
-    def __init__(self, timeline, floor_s: float = hang.FLOOR_S, k: float = hang.K, stacks=None):
+    def __init__(self, timeline, floor_s: Optional[float] = None, k: float = hang.K, stacks=None):
+        """floor_s: the shortest wait called a hang, fixed; None (the default) lets it follow the job
+        (hang.floor_for)."""
         self.timeline = timeline
         self.floor_s = floor_s
         self.k = k
         self.stacks = stacks  # a stack.StackTaker (live collector), or None (replay, tests)
         self._inconsistent = inconsistent.InconsistencyChecker()
         self._late = slow.LatenessDetector()
+        self._busy = busy.BusyDetector()
+        self._p2p_slow = p2pslow.P2PSlowDetector()
+        self._comm_slow_since: Dict[Tuple, float] = {}  # comm-slow findings being held: since when
         self._activity = hang.Activity()
         self._pass: Optional[Tuple[float, List[Finding]]] = None  # hang.check_all of the latest `now`
 
     def _hang_pass(self, now: float) -> List[Finding]:
+        """Collective and p2p hangs and pauses at `now`, each on the heads of its chain of waits, one
+        finding per (job, class, culprits)."""
         if self._pass is None or self._pass[0] != now:
-            self._pass = (now, hang.check_all(self.timeline, now, self.floor_s, self.k, self._activity))
+            tl = self.timeline
+            found = hang.check_all(tl, now, self.floor_s, self.k, self._activity) + \
+                p2phang.check_all(tl, now, self.floor_s, self.k, self._activity)
+            self._pass = (now, waits.resolve(found))
         return self._pass[1]
 
     def find_inconsistent(self, now: float) -> List[Finding]:
@@ -79,16 +95,44 @@ class Diagnoser:
         do not explain (a link fault in place of the hang it localises)."""
         incs = self.find_inconsistent(now)
         hangs = [h for h in self._hang_pass(now)
-                 if h.kind == "hang" and not any(inconsistent.explains(i, h) for i in incs)]
+                 if h.kind == "hang" and not any(inconsistent.explains(i, h) or self._stuck_in(i, h) for i in incs)]
         refined = links.find_link_faults(self.timeline, now, hangs)
         replaced = {(f.comm, f.seq) for f in refined}
         return incs + [h for h in hangs if (h.comm, h.seq) not in replaced] + refined
+
+    def _held(self, found: List[Finding], now: float) -> List[Finding]:
+        """comm-slow findings that have held for COMM_SLOW_HOLD_S: a link that slows because one rank's
+        CPU is starved (a CPU hog) shows in the link metrics within a second, before that rank's late
+        arrivals or lost CPU do; held, the comp-slow comes first and mix() folds the link into it."""
+        seen = {}
+        for f in found:
+            key = (f.job, f.comm, tuple(f.ranks), tuple(f.link or ()))
+            seen[key] = self._comm_slow_since.get(key, now)
+        self._comm_slow_since = seen
+        return [f for f in found
+                if now - seen[(f.job, f.comm, tuple(f.ranks), tuple(f.link or ()))] >= COMM_SLOW_HOLD_S]
+
+    def _stuck_in(self, inc: Finding, h: Finding) -> bool:
+        """Hang `h` (of any communicator) blames ranks that are themselves held in the inconsistent
+        collective `inc` (its comm, at or after its seq): the mismatch is the one problem."""
+        if h.job != inc.job or not h.ranks:
+            return False
+        for r in h.ranks:
+            b = waits.blocked(self.timeline, h.job, r)
+            if b is None or b.view is None or b.comm.id != inc.comm or b.view.seq < inc.seq:
+                return False
+        return True
 
     def find_slow(self, now: float) -> List[Finding]:
         """Slowdowns that hold at `now`: comp-slow, comm-slow, mixed-slow, and informational pauses."""
         pauses = [f for f in self._hang_pass(now) if f.kind == "slow"]
         late = self._late.find(self.timeline, now)
-        starved, comm = slow.contended_inside(self.timeline, links.find_comm_slow(self.timeline, now), now)
+        coll_slow = links.find_comm_slow(self.timeline, now)
+        said = {(f.job, tuple(f.ranks), tuple(f.link or ())) for f in coll_slow}
+        coll_slow += [f for f in self._p2p_slow.find(self.timeline, now)
+                      if (f.job, tuple(f.ranks), tuple(f.link or ())) not in said]
+        starved, comm = slow.contended_inside(self.timeline, self._held(coll_slow, now), now)
+        late += [f for f in self._busy.find(self.timeline, now) if not busy.explained_by(f, late)]
         by_comm = {f.comm: f for f in late}
         for f in starved:  # one comp-slow per comm: the lateness one, with the slow link as more evidence
             if f.comm in by_comm:

@@ -81,8 +81,8 @@ def rank_detail(r: Dict[str, Any], compact: int = 0) -> str:
             text += f" in {wchan[:16] if compact >= 5 else wchan}"
     if (r.get("cpu_busy") or 0) >= 0.5 and r.get("exited_at") is None:  # busy, not waiting: worth a word
         text += f", cpu {100 * r['cpu_busy']:.0f}%"
-    elsewhere = r.get("doing") == "in-collective"
-    if elsewhere:  # waiting in another communicator: the most useful words, kept at every compaction
+    elsewhere = r.get("doing") in ("in-collective", "in-p2p")
+    if elsewhere:  # waiting in another operation: the most useful words, kept at every compaction
         text += f" {r.get('doing_text')}"
     last = r.get("last_entered")
     if elsewhere and compact >= 3:
@@ -120,18 +120,25 @@ def format_line(f: Union[Finding, Dict[str, Any]]) -> str:
         return line if len(line) <= LINE_COLS else line[:LINE_COLS - 3] + "..."
     inside = ev.get("reason") in ("not-started", "not-finished")
     waited = f.detected_at - f.onset_at
-    details = ev.get("ranks") or []
+    details = list(ev.get("ranks") or [])
+    if ev.get("deadlock"):  # the rank waiting elsewhere says what closes the cycle
+        details.sort(key=lambda d: d.get("doing") not in ("in-collective", "in-p2p"))
+    p2p = ev.get("p2p") or {}
+    if p2p:  # the stream: data flows src -> dst; the waiter is one end
+        src, dst = (p2p.get("waiter"), p2p.get("peer")) if f.op == "send" else (p2p.get("peer"), p2p.get("waiter"))
+        what = f"{short_comm(f.comm)} {f.op} {src}->{dst} #{f.seq}"
+    else:
+        what = f"{short_comm(f.comm)} seq {f.seq} {f.op}"
     line = ""
     for compact in range(6):
         verb = ("inside for " if inside else "waiting ") if compact < 4 else ""
         kind = "INFO" if ev.get("informational") else f.kind.upper()
-        head = (f"{kind} {f.cls} {'ranks ' if compact < 3 else ''}{_ranks_text(f.ranks)} "
-                f"{short_comm(f.comm)} seq {f.seq} {f.op}: {verb}{waited:.1f} s")
+        head = f"{kind} {f.cls} {'ranks ' if compact < 3 else ''}{_ranks_text(f.ranks)} {what}: {verb}{waited:.1f} s"
         parts = [head]
         if ev.get("failed_ranks"):
             parts.append(f"errors on {_ranks_text(ev['failed_ranks'])}")
         if ev.get("informational"):
-            parts.append(("busy outside collectives: " if compact < 2 else "") + "a pause, not a hang")
+            parts.append(("busy outside communication: " if compact < 2 else "") + "a pause, not a hang")
         if ev.get("deadlock"):
             parts.append("cross-communicator deadlock" if compact < 2 else "deadlock")
         if f.link and ev.get("summary"):
@@ -142,7 +149,7 @@ def format_line(f: Union[Finding, Dict[str, Any]]) -> str:
             parts.append("never finished it")
         if details:
             d = rank_detail(details[0], compact)
-            parts.append(d + (f" (+{len(details) - 1} more)" if len(details) > 1 else ""))
+            parts.append(d + (f" (+{len(details) - 1})" if len(details) > 1 and compact < 5 else ""))
         line = "; ".join(parts)
         if len(line) <= LINE_COLS:
             return line

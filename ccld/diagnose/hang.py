@@ -18,10 +18,13 @@ For each communicator, look at the highest seq S any member entered:
 A collective every member entered and finished is never a finding, and neither is a pause where all
 ranks are between collectives (nobody entered S+1).
 
-Thresholds adapt to the job: max(floor_s, k x the largest arrival spread (last enter - first enter))
-for (a), max(floor_s, k x the largest duration (last end - last enter)) for (b), over the
+Thresholds adapt to the job: max(floor, k x the largest arrival spread (last enter - first enter))
+for (a), max(floor, k x the largest duration (last end - last enter)) for (b), over the
 communicator's collectives completed in the last hour (Timeline.recent_peaks), so a rank that
-regularly arrives late (checkpointing on rank 0) is not called hung. A missing rank that is working
+regularly arrives late (checkpointing on rank 0) is not called hung. The floor is `floor_s` when the
+caller fixes it (--hang-after); by default (None) FLOOR_S until the communicator has LEARN_S of
+completed collectives, then LEARNED_FLOOR_S: the job's own waits, not a fixed guess, set how
+soon a wait is a hang (`floor_for`). A missing rank that is working
 (busy on CPU or in disk I/O, e.g. writing a checkpoint) while the others wait gets BUSY_FLOOR_S
 instead of floor_s: until then it is an informational `comp-slow` "pause" finding (find_pauses),
 not a hang. Times: Unix seconds.
@@ -36,9 +39,12 @@ import re
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ccld.collector.timeline import Comm, CollView, RankRecord, Timeline
+from ccld.diagnose import waits
 from ccld.diagnose.findings import STATE_NAMES, Finding, short_comm
 
-FLOOR_S = 5.0   # never call a hang before this: agents ship every 100 ms; 5 s is far above any jitter
+FLOOR_S = 5.0   # never call a hang before this while a communicator's normal is unknown: agents ship every 100 ms
+LEARNED_FLOOR_S = 3.0  # ... and once LEARN_S of its collectives completed (and k x their worst spread is lower):
+LEARN_S = 60.0         # a minute of a job's own waits says how long they get; 3 s is 30 shipping intervals
 K = 4.0         # x the job's own worst recent spread/duration
 EVIDENCE_RANKS = 16   # ranks described in full in one finding; `ranks` itself always lists every culprit
 AGENT_SILENT_S = 3.0  # agents send a frame every 100 ms; 3 s without one means we are blind there
@@ -50,6 +56,7 @@ BUSY_FLOOR_S = 120.0
 FAILED_GRACE_S = 1.0  # after the first error, wait this long for the other ranks' ends to arrive
 MAX_CHAIN = 8         # hops followed from a missing rank to the collective it waits in, and on
 WORKING_CPU = 0.3     # CPU s per s over a wait that makes a missing rank "working", whatever one sample says
+STUCK_IO_CPU = 0.01   # CPU s per s below which a rank in D in one wait channel all along is stuck, not writing
 MAX_SAMPLES = 600     # /proc samples kept per waited-for rank: 10 minutes at one a second
 MAX_TRACKED = 4096    # ranks with samples before old ones are dropped ...
 SAMPLES_KEPT_S = 600.0  # ... those not sampled for 10 minutes
@@ -157,14 +164,18 @@ def wait_chain(tl: Timeline, comm: Comm, view: CollView, rank: int) -> Tuple[Lis
 
 def doing(tl: Timeline, comm: Comm, rank: int, rec: Optional[RankRecord]) -> Tuple[str, str]:
     """(label, words) for what `rank` is doing (for a rank absent from `comm`'s newest collective:
-    instead): exited, stopped, inside (`comm`'s newest collective), in-collective (another one, on
-    any communicator), io, cpu-starved, busy, sleeping, running, unknown, not-seen."""
+    instead): exited, stopped, in-p2p (blocked in a send or recv), inside (`comm`'s newest collective),
+    in-collective (another one, on any communicator), io, cpu-starved, busy, sleeping, running,
+    unknown, not-seen."""
     if rec is None:
         return "not-seen", "not reported by any agent"
     if rec.exited():
         return "exited", f"exited ({rec.exit_reason or 'exited'})"
     if rec.stopped():
         return "stopped", "stopped (SIGSTOP or a debugger)"
+    b = waits.blocked(tl, comm.job, rank)
+    if b is not None and b.op is not None:
+        return "in-p2p", f"in {b.label()}" + (" (its peer posted too: stuck)" if b.peer_posted else "")
     got = open_collective(tl, comm.job, rank)
     if got is not None:
         c, v = got
@@ -233,9 +244,9 @@ def _active_now(rec: RankRecord) -> bool:
 
 
 class Activity:
-    """The /proc samples (state, CPU time) of ranks that keep their peers waiting, noted each tick,
-    so "is it working?" is judged over the whole wait and not flipped by one sample (a checkpoint
-    alternates between CPU, disk waits and short sleeps). One per Timeline (the Diagnoser's)."""
+    """The /proc samples (state, CPU time, wait channel) of ranks that keep their peers waiting, noted
+    each tick, so "is it working?" is judged over the whole wait and not flipped by one sample (a
+    checkpoint alternates between CPU, disk waits and short sleeps). One per Timeline (the Diagnoser's)."""
 
     def __init__(self) -> None:
         self._samples: Dict[Tuple[str, int], "collections.deque"] = {}
@@ -246,23 +257,34 @@ class Activity:
         if d is None:
             d = self._samples[key] = collections.deque(maxlen=MAX_SAMPLES)
         if rec.state_at is not None and (not d or d[-1][0] != rec.state_at):
-            d.append((rec.state_at, rec.state, rec.cpu_ns))
+            d.append((rec.state_at, rec.state, rec.cpu_ns, rec.wchan))
         return d
 
     def working(self, rec: RankRecord, since: float) -> bool:
         """True when, since `since`, the rank was running or in disk I/O in at least half of the
-        samples, or used WORKING_CPU of a CPU; with fewer than 2 samples, from the latest one."""
+        samples, or used WORKING_CPU of a CPU; with fewer than 2 samples, from the latest one. Disk
+        waits count only while the I/O moves: a rank in D that used no CPU (below STUCK_IO_CPU) in
+        one wait channel all along is stuck in I/O (a dead NFS or FUSE server), not working."""
         got = [x for x in self.note(rec) if x[0] >= since]
         if len(got) < 2:
             return _active_now(rec) or (rec.cpu_busy is not None and rec.cpu_busy >= WORKING_CPU)
-        active = sum(1 for _, st, _ in got if st in ("R", "D")) / len(got)
         span = got[-1][0] - got[0][0]
         share = (got[-1][2] - got[0][2]) / 1e9 / span if span > 0 and got[0][2] >= 0 else 0.0
+        if stuck_in_io(got, share):
+            return False
+        active = sum(1 for _, st, _, _ in got if st in ("R", "D")) / len(got)
         return active >= 0.5 or share >= WORKING_CPU
 
     def prune(self, now: float) -> None:
         if len(self._samples) > MAX_TRACKED:
             self._samples = {k: d for k, d in self._samples.items() if d and d[-1][0] >= now - SAMPLES_KEPT_S}
+
+
+def stuck_in_io(samples, cpu_share: float) -> bool:
+    """(state_at, state, cpu_ns, wchan) samples over a wait: every one in D, in one wait channel, with
+    next to no CPU used: the I/O is not moving."""
+    return (len(samples) >= 2 and all(st == "D" for _, st, _, _ in samples)
+            and len({w for _, _, _, w in samples}) == 1 and cpu_share < STUCK_IO_CPU)
 
 
 def _working(tl: Timeline, comm: Comm, ranks: Set[int], since: float, activity: Optional[Activity]) -> bool:
@@ -414,7 +436,15 @@ def _failed(tl: Timeline, comm: Comm, view: CollView, expected: Set[int], now: f
                    onset_at=first, detected_at=now, evidence=evidence, job=comm.job)
 
 
-def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k: float = K,
+def floor_for(floor_s: Optional[float], first_done_at: Optional[float], now: float) -> float:
+    """The shortest wait called a hang: `floor_s` when fixed; else FLOOR_S, lowered to
+    LEARNED_FLOOR_S once the operations have LEARN_S of history (first completed at `first_done_at`)."""
+    if floor_s is not None:
+        return floor_s
+    return LEARNED_FLOOR_S if first_done_at is not None and now - first_done_at >= LEARN_S else FLOOR_S
+
+
+def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = None, k: float = K,
                activity: Optional[Activity] = None, blind: Optional[Blindness] = None) -> Optional[Finding]:
     """The hang (kind "hang") or pause (kind "slow", informational) finding for one communicator
     at time `now`, or None."""
@@ -433,9 +463,21 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k
     spread_peak, dur_peak = tl.recent_peaks(comm.id, now)
     entered = expected & view.enter.keys()
     missing = expected - entered
+    if len(missing) > NOTE_MAX_RANKS:
+        # A crowd of members no agent has ever reported (a frame announcing a huge world, or a job
+        # traced on a few of its nodes): "not entered" cannot be told from "not traced" for them, and
+        # naming each one every tick is the tick's whole cost. Judge the members that are seen.
+        unseen = {r for r in missing if tl.rank_record(comm.job, r) is None}
+        if len(unseen) > NOTE_MAX_RANKS:
+            if not comm.unseen_noted:
+                tl.anomalies["unseen-members-not-judged"] += 1
+                comm.unseen_noted = True
+            missing = missing - unseen
+            if not missing:
+                return None
     if missing:
         onset = min(view.enter[r] for r in entered) if entered else view.first_enter()
-        threshold = max(floor_s, k * spread_peak)
+        threshold = max(floor_for(floor_s, comm.first_done_at, now), k * spread_peak)
         if activity is not None and now - onset > NOTE_AFTER_S and len(missing) <= NOTE_MAX_RANKS:
             for r in missing:  # from early in the wait, so "working" is judged over all of it
                 rec = tl.rank_record(comm.job, r)
@@ -443,16 +485,31 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k
                     activity.note(rec)
         if now - onset <= threshold:
             return None
-        dead = _dead(tl, comm, missing)
+        # The missing ranks may themselves wait for others (in a send/recv, or another communicator's
+        # collective): the culprits are the heads of those chains, and whether they are dead or working
+        # is what decides the class.
+        chain = waits.follow(tl, comm.job, sorted(missing))
+        culprits = set(chain.heads)
+        if activity is not None and culprits != missing and len(culprits) <= NOTE_MAX_RANKS:
+            for r in culprits:
+                rec = tl.rank_record(comm.job, r)
+                if rec is not None:
+                    activity.note(rec)
+        dead = _dead(tl, comm, culprits)
         busy_threshold = max(BUSY_FLOOR_S, k * spread_peak)
-        pause = not dead and now - onset <= busy_threshold and _working(tl, comm, missing, onset, activity)
-        blamed = dead or sorted(missing)
+        pause = not dead and now - onset <= busy_threshold and _working(tl, comm, culprits, onset, activity)
+        blamed = dead or sorted(culprits)
         details = [rank_evidence(tl, comm, r, now) for r in blamed[:EVIDENCE_RANKS]]
         reason = _why_dead(tl, comm, dead) if dead else "pause" if pause else "not-entered"
         evidence = dict(base, reason=reason, waited_s=round(now - onset, 3), threshold_s=round(threshold, 3),
                         learned_spread_s=round(spread_peak, 6), waiting=listed(entered), n_waiting=len(entered),
                         also_missing=listed(missing - set(blamed)) or None, ranks=details,
                         summary=_summary(details, reason))
+        if culprits != missing and not chain.cycle:
+            evidence["blamed_through"] = {"missing": listed(missing), "chain": chain.hops[:EVIDENCE_RANKS]}
+            evidence["summary"] += "; the others wait for it through a chain"
+        if chain.cycle:
+            evidence["deadlock"] = True
         if pause:
             # what it is busy with flips between CPU and disk from sample to sample: not news
             evidence.update(informational=True, hang_after_s=round(busy_threshold, 3),
@@ -470,14 +527,14 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k
                     chains[str(r)] = {"hops": hops, "deadlock": cycle}
             if chains:
                 evidence["wait_chains"] = chains
-                evidence["deadlock"] = any(c["deadlock"] for c in chains.values())
+                evidence["deadlock"] = evidence.get("deadlock", False) or any(c["deadlock"] for c in chains.values())
         return Finding(kind="hang", cls="fault" if dead else "not-entered", ranks=blamed, comm=comm.id,
                        seq=seq, op=view.op, onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
     not_ended = expected - view.end.keys()
     if not not_ended:
         return None  # completed: everyone is between collectives
     onset = max(view.enter[r] for r in expected)
-    threshold = max(floor_s, k * dur_peak)
+    threshold = max(floor_for(floor_s, comm.first_done_at, now), k * dur_peak)
     if now - onset <= threshold:
         return None
     dead = _dead(tl, comm, expected)
@@ -505,7 +562,7 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: float = FLOOR_S, k
                    onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
 
 
-def check_all(tl: Timeline, now: float, floor_s: float = FLOOR_S, k: float = K,
+def check_all(tl: Timeline, now: float, floor_s: Optional[float] = None, k: float = K,
               activity: Optional[Activity] = None) -> List[Finding]:
     """Every communicator's hang or pause finding (both kinds; the facade splits them). `activity`
     (the Diagnoser's) judges a waited-for rank over its whole wait; without it, from one sample."""
@@ -526,10 +583,10 @@ def check_all(tl: Timeline, now: float, floor_s: float = FLOOR_S, k: float = K,
     return out
 
 
-def find_hangs(tl: Timeline, now: float, floor_s: float = FLOOR_S, k: float = K) -> List[Finding]:
+def find_hangs(tl: Timeline, now: float, floor_s: Optional[float] = None, k: float = K) -> List[Finding]:
     return [f for f in check_all(tl, now, floor_s, k) if f.kind == "hang"]
 
 
-def find_pauses(tl: Timeline, now: float, floor_s: float = FLOOR_S, k: float = K) -> List[Finding]:
+def find_pauses(tl: Timeline, now: float, floor_s: Optional[float] = None, k: float = K) -> List[Finding]:
     """Informational: a rank busy outside collectives (checkpoint-like) while its peers wait."""
     return [f for f in check_all(tl, now, floor_s, k) if f.kind == "slow"]

@@ -4,7 +4,8 @@ c10d numbers every collective of a process group on each rank independently, so 
 same call on every rank only if every rank makes the same calls in the same order. For the newest
 WINDOW collectives of each communicator:
   - ranks at one (comm, seq) with different ops -> "inconsistent", naming the ranks whose op is not
-    the majority's (a tie names every rank: no majority, no culprit);
+    the majority's; a tie of every member (the two ranks of a pair group) is broken by the group's own
+    pattern (the op its collectives repeat there), else it names every rank: no majority, no culprit;
   - same op but different sizes (count, dtype, and bytes where the timeline keeps them: NCCL's probes
     report count and dtype, gloo's the tensor's bytes) -> "inconsistent" the same way; where some
     ranks' sizes are unknown, only when a strict majority of the ranks that entered agree;
@@ -111,6 +112,17 @@ def _shift(comm: Comm, rank: int, seq: int, maj: Dict[int, str]) -> Optional[Dic
     return {"shift": k, "period": p, "compared": len(mine)}
 
 
+def _expected_op(comm: Comm, seq: int) -> Optional[str]:
+    """The op the communicator's own repeating pattern (its majority's ops before `seq`) puts at
+    `seq`, or None when it has no pattern yet."""
+    maj = _majority_ops(comm, max(0, seq - HISTORY), seq - 1)
+    p = _period(maj, seq)
+    if p is None:
+        return None
+    base = [b for b in maj if (seq - b) % p == 0]
+    return maj[max(base)] if base else None
+
+
 def _sizes_differ(ops: Dict[int, str], sizes: Dict[int, Tuple]) -> bool:
     """True when the ranks with a known size disagree, and either every rank that entered has one
     (a vote, as for ops) or a strict majority of them share one size (else a rank whose size is
@@ -137,12 +149,21 @@ def _check_view(tl: Timeline, comm: Comm, view: CollView, expected: Set[int], no
     what = "op" if differ_ops else "size"
     votes = ops if differ_ops else {r: size_text(sz) for r, sz in sizes.items()}
     top, odd = _vote(votes)
+    by_pattern = None
+    if top is None and differ_ops and len(ops) == len(expected):
+        # a tie among all the members (the two ranks of a pair group): what did the group call before?
+        by_pattern = _expected_op(comm, view.seq)
+        if by_pattern is not None and by_pattern in ops.values():
+            top, odd = by_pattern, sorted(r for r, op in ops.items() if op != by_pattern)
+        else:
+            by_pattern = None
     detail_ranks = odd[:EVIDENCE_RANKS]
     by_value: Dict[str, List[int]] = collections.defaultdict(list)
     for r, v in votes.items():
         by_value[str(v)].append(r)
     evidence: Dict[str, Any] = {
         "reason": f"different-{what}", "majority": None if top is None else str(top), "tie": top is None,
+        "tie_broken_by_pattern": by_pattern is not None,
         "calls": {k: sorted(v)[:EVIDENCE_RANKS] for k, v in sorted(by_value.items())},
         "entered": len(ops), "expected": len(expected), "missing": sorted(expected - ops.keys())[:EVIDENCE_RANKS],
         "sizes_known": bool(sizes), "completed": view.completed_at is not None,
@@ -213,7 +234,8 @@ class InconsistencyChecker:
 
 
 def explains(f: Finding, other: Finding) -> bool:
-    """True when inconsistent finding `f` explains hang finding `other` (same communicator, at or
-    after the inconsistent collective): the hang is a consequence, not a second problem."""
-    return other.comm == f.comm and other.seq >= f.seq
+    """True when inconsistent finding `f` explains hang finding `other` (a collective of the same
+    communicator, at or after the inconsistent one): the hang is a consequence, not a second problem.
+    A p2p hang's seq numbers its stream's transfers, not collectives: never explained this way."""
+    return other.comm == f.comm and other.seq >= f.seq and "p2p" not in other.evidence
 

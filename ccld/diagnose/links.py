@@ -9,21 +9,26 @@ find_link_faults: a hang (a collective nobody can finish) whose cause is a link:
   stopped moving" alone cannot tell the links apart; retransmissions and resets can.
 find_comm_slow: collectives of one op take SLOW_FACTOR x their own baseline (all of them, or enough of
   them to weigh on the mean and 90th percentile: a lossy link's retransmission timeouts) while the ranks arrive
-  together (the time is spent inside the collective, so it is communication); the pair whose RTT or
-  retransmissions are out of line with the job's other pairs is named; when every out-of-line pair
-  starts at one rank, that rank is named instead (e.g. its NIC, or a rate limit on all its traffic).
+  together (the time is spent inside the collective, so it is communication); `localise` names the pair
+  whose RTT or retransmissions left ITS OWN baseline (learned from the seconds before the slowdown
+  began, frozen while it lasts) by far more than the job's other pairs left theirs; when every such
+  pair starts at one rank, that rank is named instead (e.g. its NIC, or a rate limit on all its traffic).
+  Nothing is judged against an absolute floor, so a link of a 20 us fabric that goes to 300 us is
+  named as a 1 ms veth that goes to 4 ms is, and a pair that is always slower (a long cable) is not.
 Thresholds are in the constants below, each with its reason; evidence carries the numbers.
 """
 from __future__ import annotations
 
+import collections
 import statistics
 import weakref
 import zlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import AbstractSet, Deque, Dict, List, NamedTuple, Optional, Tuple
 
-from ccld.collector.links import PairSummary
+from ccld.collector.links import PairBaseline, PairSummary
 from ccld.collector.timeline import CollView, Comm, Timeline
+from ccld.diagnose import waits
 from ccld.diagnose.findings import Finding
 
 MIN_LINK_RETRANS = 2       # retransmissions since a hang began that make a link suspect (RTOs back off:
@@ -47,10 +52,48 @@ MIN_BASELINE = 20          # ... and before it, to know what normal is
 SLOW_FACTOR = 3.0          # recent median duration / baseline duration that counts as slow
 UNNAMED_FACTOR = 10.0      # ... and when no link or rank stands out, this much slower
 MIN_EXTRA_S = 0.010        # and at least this much slower in absolute terms (sub-ms noise is not a finding)
-RTT_OUTLIER = 4.0          # a pair's mean RTT over the window / the median of the job's pairs
-MIN_RTT_US = 1000          # ... and at least 1 ms: loopback and veth RTTs of 20-60 us vary by 2-3x
-MIN_SLOW_RETRANS = 20      # retransmissions in the window that mark a lossy pair: a busy 2-core box shows
-                           # 5-10 per link per 10 s on healthy links; 5 % loss gives hundreds
+# Localising a slowdown: every pair against its own baseline, then against the other pairs.
+MIN_BASELINE_S = 5         # seconds of a pair's own history before the slowdown needed to judge it: a
+                           # median and a 90th percentile over fewer are noise. A pair without them is
+                           # neither a suspect nor a reference for the others
+RTT_FACTOR = 3.0           # a pair's RTT over the slow span / its own baseline median that makes it
+                           # suspect: a link 3x slower than its normal is what makes a collective
+                           # SLOW_FACTOR x slower. Relative to the pair itself, so it holds at 20 us
+                           # (RoCE/IB-class TCP, datacenter Ethernet) as at 1 ms (veth on a loaded host)
+RTT_OVER_SPREAD = 3.0      # ... and at least this x its healthy 90th percentile (or the job's typical spread,
+                           # if wider): a pair whose RTT already wandered in its healthy seconds (veth on this
+                           # 2-core box: 30-370 us from one second to the next, single seconds up to 9x its
+                           # median) must leave that band by a margin, not just its median. Both are judged
+                           # on the median of the span's seconds (PairSummary.srtt_median_us), so one odd
+                           # second is not a fault
+BASELINE_GUARD_S = RECENT_S  # a baseline ends this long before the slowdown was first seen: it may have begun
+                           # up to one judging window earlier (a heavy tail of retransmission stalls builds
+                           # for seconds before a test fires), and those seconds must not be "normal". A pair
+                           # with under MIN_BASELINE_S seconds before that uses the seconds up to the start
+MIN_RETRANS_EVENTS = 3     # retransmissions in the span below which no pair is a suspect, whatever its
+                           # baseline: one loss event costs 1-2 (the segment, a tail-loss probe); three are
+                           # a pattern. A count of evidence, not a rate tuned to any network
+RETRANS_PRIOR = 1.0        # retransmissions added to a pair's count and to its noise level before they are
+                           # divided: a pair that never retransmitted and now has 3 is 4x out of line,
+                           # not infinitely, and two quiet pairs compare as 1x
+RETRANS_FACTOR = 3.0       # (count + prior) / (noise + prior) that makes a pair suspect, its noise being the
+                           # most it retransmitted in as many consecutive seconds of its baseline
+                           # (PairBaseline.retrans_noise): a rate judged at the window's own time scale,
+                           # so a box where every link bursts now and then (veth here: 0-3 a second on
+                           # healthy links, 3-7 while queues drain after a fault) names none, whichever
+                           # burst last, while a link that never retransmitted and now does 3/s is named
+# STAND_OUT (above) also holds here: a suspect's departure from its baseline (RTT or retransmission
+# ratio) is at least STAND_OUT x the typical departure of its reference pairs, so a job-wide slowdown,
+# where every pair departs alike, names no link.
+MAX_JUDGED_SHARE = 0.5     # more suspects than this share of the judged pairs is a job-wide change, not a
+MAX_ALL_PAIRS = 8          # link, once there are more than MAX_ALL_PAIRS (a small job's one rank can touch
+                           # most of its pairs): said at once, as judging each against the others would cost
+                           # O(pairs^2) on every tick of a large slow job
+EPISODE_GAP_S = RECENT_S   # a communicator's slowdown has ended once none of its ops was slow for this
+                           # long (its judging window holds no slow collective any more); until then its
+                           # links are judged against baselines cut where the slowdown began
+MAX_PAST_EPISODES = 8      # ended slowdowns whose seconds stay out of later baselines: a fault must not
+                           # become normal by recurring; older ones have mostly left the link series
 
 
 def _pair_evidence(s: Optional[PairSummary]) -> Optional[Dict[str, float]]:
@@ -94,6 +137,8 @@ def find_link_faults(tl: Timeline, now: float, hangs: List[Finding]) -> List[Fin
     for h in hangs:
         if h.kind != "hang" or h.evidence.get("reason") in ("exited", "stopped"):
             continue  # a dead or stopped process explains the hang by itself
+        if h.cls == "not-entered" and all(waits.blocked(tl, h.job, r) is None for r in h.ranks):
+            continue  # its culprits are in no operation (asleep, computing): no link holds them
         suspects, win = _link_suspects(tl, h.job, h.onset_at + HANG_SETTLE_S, now)
         named = _name(suspects) if suspects else None
         if named is None:
@@ -138,6 +183,10 @@ class _CommState:
     screened: int = -1                                         # every completed seq up to this was screened
     every: int = BASELINE_EVERY                                # this communicator's recomputation period
     spans: Dict[int, Tuple[float, float, float]] = field(default_factory=dict)  # seq -> (completed_at, first, last enter)
+    episode: Optional[float] = None                            # when the slowdown being judged began (links since)
+    slow_at: float = 0.0                                       # the latest tick that found an op slow
+    past: Deque[Tuple[float, float]] = field(default_factory=lambda: collections.deque(maxlen=MAX_PAST_EPISODES))
+    link_base: Optional[Tuple[object, Dict[Tuple[int, int], PairBaseline]]] = None  # (key, baselines) of the episode
 
 
 _STATE: "weakref.WeakKeyDictionary[Timeline, Dict[str, _CommState]]" = weakref.WeakKeyDictionary()
@@ -257,30 +306,198 @@ def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, List[Co
     return out
 
 
-def _rtt_suspects(win: Dict[Tuple[int, int], PairSummary]) -> List[Tuple[int, int]]:
+Pair = Tuple[int, int]
+
+
+def _reference(p: Pair, ratios: Dict[Pair, float]) -> Optional[float]:
+    """The typical departure from their own baselines of the pairs that `p` is compared with: those
+    that share no rank with it (a fault at one rank's NIC slows every pair through that rank, so those
+    are no witnesses of the job's normal), or, when there are none (2-3 ranks), every other pair.
+    None when there is no other pair: a lone link cannot be told from a job-wide slowdown."""
+    disjoint = [x for q, x in ratios.items() if p[0] not in q and p[1] not in q]
+    pool = disjoint or [x for q, x in ratios.items() if q != p]
+    return statistics.median(pool) if pool else None
+
+
+def _stand_out(cands: List[Pair], ratios: Dict[Pair, float]) -> List[Pair]:
+    """The candidates whose departure is STAND_OUT x their reference pairs' (see _reference); none
+    when every judged pair is a candidate, or most of a large job's pairs are (job-wide)."""
+    if len(cands) >= len(ratios) or (len(ratios) > MAX_ALL_PAIRS and len(cands) > MAX_JUDGED_SHARE * len(ratios)):
+        return []
+    out = []
+    for p in cands:
+        ref = _reference(p, ratios)
+        if ref is not None and ratios[p] >= STAND_OUT * max(1.0, ref):
+            out.append(p)
+    return out
+
+
+def rtt_suspects(win: Dict[Pair, PairSummary], base: Dict[Pair, PairBaseline],
+                 judge: Optional[AbstractSet[Pair]] = None) -> List[Pair]:
+    """Pairs (of `judge`, default all of `win`) whose RTT over the window (the median of its seconds)
+    left their own baseline: RTT_FACTOR x its median, RTT_OVER_SPREAD x its healthy 90th
+    percentile (or its median times the job's typical p90/median, when that is wider: a pair with
+    a short or luckily quiet history has not shown its noise yet), at least the other pairs'
+    current median (a link faster than the job's typical one is not what slows it), and STAND_OUT x
+    the departure of the pairs they are compared with. Only pairs that carry bulk data now
+    (BULK_SHARE) and have MIN_BASELINE_S seconds of RTT history are judged or compared with."""
     most = max((s.tx_bytes for s in win.values()), default=0)
-    active = {p: s for p, s in win.items() if s.tx_bytes >= BULK_SHARE * most > 0 and s.srtt_mean_us > 0}
-    if len(active) < 2:
+    ratios: Dict[Pair, float] = {}
+    for p, s in win.items():
+        b = base.get(p)
+        if (s.tx_bytes >= BULK_SHARE * most > 0 and s.srtt_median_us > 0 and b is not None
+                and b.rtt_seconds >= MIN_BASELINE_S and b.rtt_median_us > 0):
+            ratios[p] = s.srtt_median_us / b.rtt_median_us
+    if len(ratios) < 2:
         return []
-    med = statistics.median(s.srtt_mean_us for s in active.values())
-    slow = [p for p, s in active.items() if s.srtt_mean_us >= max(RTT_OUTLIER * med, MIN_RTT_US)]
-    return slow if len(slow) < len(active) else []
+    spread = {p: base[p].rtt_p90_us / base[p].rtt_median_us for p in ratios}
+    typical_spread = statistics.median(spread.values())
+    cands = [p for p, x in ratios.items() if (judge is None or p in judge) and x >= RTT_FACTOR
+             and x >= RTT_OVER_SPREAD * max(spread[p], typical_spread)]
+    if not cands:
+        return []
+    typical = statistics.median(win[p].srtt_median_us for p in ratios)
+    return _stand_out([p for p in cands if win[p].srtt_median_us >= typical], ratios)
 
 
-def _retrans_suspects(win: Dict[Tuple[int, int], PairSummary]) -> List[Tuple[int, int]]:
-    if not win:
+def retrans_suspects(win: Dict[Pair, PairSummary], base: Dict[Pair, PairBaseline],
+                     judge: Optional[AbstractSet[Pair]] = None) -> List[Pair]:
+    """Pairs (of `judge`, default all of `win`) that retransmitted far above their own healthy noise
+    over the window: at least MIN_RETRANS_EVENTS, RETRANS_FACTOR x the most they showed in as many
+    seconds of their baseline (or the typical such figure of the pairs that retransmit at all, when
+    that is higher: a pair with a short or luckily quiet history has not shown its noise yet; both
+    plus RETRANS_PRIOR), and
+    STAND_OUT x the other pairs' departure. A fabric whose links never retransmit names a link
+    with a handful; a host where every link retransmits now and then names none."""
+    noise: Dict[Pair, int] = {}
+    noisy: List[int] = []  # of the pairs that retransmitted at all while healthy (not, e.g., the ACK-only sides)
+    for p, s in win.items():
+        b = base.get(p)
+        if b is not None and b.seconds >= MIN_BASELINE_S and s.seconds > 0:
+            noise[p] = b.retrans_noise(s.seconds)
+            if b.retrans_per_s > 0:
+                noisy.append(noise[p])
+    if len(noise) < 2:
         return []
-    best = max(s.retrans for s in win.values())
-    if best < MIN_SLOW_RETRANS:
-        return []
-    sus = [p for p, s in win.items() if s.retrans * STAND_OUT >= best]
-    rest = [s.retrans for p, s in win.items() if p not in sus]
-    return sus if not rest or max(rest) * STAND_OUT <= best else []
+    typical = statistics.median(noisy) if noisy else 0
+    ratios = {p: (win[p].retrans + RETRANS_PRIOR) / (max(n, typical) + RETRANS_PRIOR) for p, n in noise.items()}
+    cands = [p for p, x in ratios.items() if (judge is None or p in judge) and win[p].retrans >= MIN_RETRANS_EVENTS
+             and x >= RETRANS_FACTOR]
+    return _stand_out(cands, ratios) if cands else []
+
+
+MAX_MEMO = 32              # baselines remembered per timeline for direct localise() callers (a p2p detector
+                           # asks each tick about each slow stage link with the same start): recomputing
+                           # them would cost ~0.1 ms per pair of the job per call
+_MEMO: "weakref.WeakKeyDictionary[Timeline, collections.OrderedDict]" = weakref.WeakKeyDictionary()
+
+
+def pair_baselines(tl: Timeline, job: str, began: float, exclude: Tuple[Tuple[float, float], ...] = (),
+                   ranks: Optional[AbstractSet[int]] = None) -> Dict[Pair, PairBaseline]:
+    """Each pair's baseline (tl.links.pair_baselines) for a slowdown first seen at `began`: ending
+    BASELINE_GUARD_S before it, or at `began` for a pair with too little history for that.
+    Remembered (the last MAX_MEMO argument sets per timeline): what ends before `began` is settled."""
+    memo = _MEMO.setdefault(tl, collections.OrderedDict())
+    key = (job, began, tuple(exclude), None if ranks is None else frozenset(ranks))
+    got = memo.get(key)
+    if got is not None:
+        memo.move_to_end(key)
+        return got
+    out = tl.links.pair_baselines(job, began - BASELINE_GUARD_S, exclude, ranks)
+    short = [p for p, b in out.items() if b.seconds < MIN_BASELINE_S or b.rtt_seconds < MIN_BASELINE_S]
+    if short:
+        near = tl.links.pair_baselines(job, began, exclude, ranks)
+        for p in short:
+            if near[p].seconds > out[p].seconds:
+                out[p] = near[p]
+    memo[key] = out
+    while len(memo) > MAX_MEMO:
+        memo.popitem(last=False)
+    return out
+
+
+class Localised(NamedTuple):
+    suspects: List[Pair]                                # directed pairs out of line (may name nothing)
+    named: Optional[Tuple[List[int], Optional[List[int]]]]  # (ranks, link) as _name gives it, or None
+    how: Optional[str]                                  # "retransmissions" | "rtt" | None
+    window: Dict[Pair, PairSummary]                     # the pairs judged and compared, over [since, now]
+
+
+def localise(tl: Timeline, job: str, members: AbstractSet[int], since: float, now: float, *,
+             reference: Optional[AbstractSet[int]] = None, baseline_before: Optional[float] = None,
+             exclude: Tuple[Tuple[float, float], ...] = (),
+             baselines: Optional[Dict[Pair, PairBaseline]] = None) -> Localised:
+    """Which link (or rank) of `job` makes transfers among `members` slow over [since, now] (Unix s).
+
+    Returns Localised(suspects, named, how, window): the directed pairs (both ends in `members`)
+    whose retransmissions or RTT left their own baseline by far more than the other pairs left
+    theirs; named = (ranks, link) when they are one link (ranks = its two ends, link = [src, dst])
+    or all share one rank (ranks = [it], link None), else None; how = "retransmissions" (tried
+    first: loss is the stronger sign) or "rtt"; window = PairSummary per directed pair judged or
+    compared with, over the span.
+      reference        ranks whose pairs the suspects are compared with (default every rank of the
+                       job). find_comm_slow passes the communicator's members; a p2p comm-slow
+                       detector passes members = the two stages' ranks and leaves this None, so the
+                       stage link is compared with the job's other links.
+      baseline_before  when the slowdown was first seen (default `since`); each pair's baseline ends
+                       BASELINE_GUARD_S before it (see pair_baselines). A caller that judges one
+                       slowdown over several ticks must pass the span it was FIRST seen with and keep
+                       it while the slowdown lasts; else the slow seconds between that start and a
+                       moving `since` seep into the baseline.
+      exclude          (start, end) spans kept out of baselines: earlier slowdowns.
+      baselines        precomputed pair_baselines(tl, job, baseline_before, exclude, ...) (a cache).
+    Cost: O(buckets of the pairs) for the baselines (cache them across ticks), O(pairs) otherwise."""
+    pool = None if reference is None else frozenset(members) | frozenset(reference)
+    win = tl.links.pair_window(job, since, now + 1.0)
+    if pool is not None:
+        win = {p: s for p, s in win.items() if p[0] in pool and p[1] in pool}
+    if baselines is None:
+        baselines = pair_baselines(tl, job, since if baseline_before is None else baseline_before, exclude, pool)
+    judge = {p for p in win if p[0] in members and p[1] in members}
+    by_loss, by_rtt = retrans_suspects(win, baselines, judge), rtt_suspects(win, baselines, judge)
+    for how, cand in (("retransmissions", by_loss), ("rtt", by_rtt)):
+        got = _name(sorted(cand)) if cand else None
+        if got is not None:
+            return Localised(sorted(cand), got, how, win)
+    return Localised(sorted(by_loss or by_rtt), None, None, win)
+
+
+def _us(x: float) -> str:
+    return f"{x:.0f} us" if x < 1000 else f"{x / 1e3:.1f} ms"
+
+
+def _judged_evidence(p: Pair, s: PairSummary, b: Optional[PairBaseline]) -> Dict[str, object]:
+    d: Dict[str, object] = dict(s.as_dict())
+    if b is not None:
+        d.update(baseline=b.as_dict(), retrans_noise=b.retrans_noise(s.seconds),
+                 rtt_x=round(s.srtt_median_us / b.rtt_median_us, 2) if b.rtt_median_us and s.srtt_median_us else None)
+    return d
+
+
+def _episode_baselines(tl: Timeline, comm: Comm, st: _CommState, members: AbstractSet[int],
+                       slow: List[Tuple[str, List[CollView], float, str, float]]) -> Dict[Pair, PairBaseline]:
+    """The link baselines this slowdown of `comm` is judged against: cut where it began (the first
+    enter of the earliest collective judged slow on its first slow tick), without earlier slowdowns,
+    computed once per slowdown (frozen while it lasts: the fault must not become its own baseline)."""
+    if st.episode is None:
+        st.episode = min(_span(st, v)[1] for _, recent, _, _, _ in slow for v in recent)
+    key = (st.episode, members)
+    if st.link_base is None or st.link_base[0] != key:
+        st.link_base = (key, pair_baselines(tl, comm.job, st.episode, tuple(st.past), members))
+    return st.link_base[1]
+
+
+def _end_episode(st: _CommState, now: float) -> None:
+    """A slowdown that has not been seen for EPISODE_GAP_S is over: its span stays out of later baselines."""
+    if st.episode is not None and now - st.slow_at >= EPISODE_GAP_S:
+        st.past.append((st.episode, now))
+        st.episode, st.link_base = None, None
 
 
 def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
     """`comm-slow` findings: arrivals line up but collectives take longer than their baseline; the
-    rank pair whose transfers lag (RTT or retransmissions out of line) is named."""
+    rank pair whose transfers lag (RTT or retransmissions out of line with its own baseline and the
+    other pairs', see `localise`) is named."""
     out = []
     states = _STATE.setdefault(tl, {})
     for comm in list(tl.comms.values()):
@@ -289,21 +506,18 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
             st = states[comm.id] = _CommState()
         slow = _slow_ops(comm, now, st)
         if not slow:
+            _end_episode(st, now)
             continue
+        st.slow_at = now
+        members = tl.expected_members(comm.id)
+        baselines = _episode_baselines(tl, comm, st, members, slow)
         for op, recent, base, stat, level in sorted(slow, key=lambda s: -s[4] / max(s[2], 1e-9)):
             # Links are judged over the same span as the slow collectives, not over a fixed window
             # that would mix in the healthy seconds before the slowdown.
             since = min(_span(st, v)[1] for v in recent)
-            win = tl.links.pair_window(comm.job, since, now + 1.0)
-            members = tl.expected_members(comm.id)
-            win = {p: s for p, s in win.items() if p[0] in members and p[1] in members}
-            by_rtt, by_loss = _rtt_suspects(win), _retrans_suspects(win)
-            suspects, named, localised_by = by_loss or by_rtt, None, None
-            for how, cand in (("retransmissions", by_loss), ("rtt", by_rtt)):
-                got = _name(sorted(cand)) if cand else None
-                if got is not None:
-                    suspects, named, localised_by = cand, got, how
-                    break
+            suspects, named, localised_by, win = localise(tl, comm.job, members, since, now, reference=members,
+                                                          baseline_before=st.episode, exclude=tuple(st.past),
+                                                          baselines=baselines)
             # Without a culprit, only a large slowdown that fills the whole window (the tail test)
             # counts: the last few collectives after a link recovers are slow too, and a loaded host
             # makes every collective 2-4x slower now and then, which names nothing and helps no one.
@@ -317,10 +531,14 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         summary = f"{level / base:.0f}x slower ({level * 1e3:.1f} vs {base * 1e3:.1f} ms)" if base > 0 else "slower"
         if named is not None:
             top = max(suspects, key=lambda p: (win[p].retrans, win[p].srtt_mean_us))
-            t = win[top]
-            summary += (f", {t.retrans} retransmissions" if localised_by == "retransmissions"
-                        else f", RTT {t.srtt_mean_us / 1e3:.1f} vs {statistics.median(active) / 1e3:.1f} ms median"
-                        if active else "")
+            t, b = win[top], baselines.get(top)
+            if localised_by == "retransmissions":
+                summary += f", {t.retrans} retransmissions in {t.seconds} s"
+                if b is not None:
+                    summary += f" (healthy: at most {b.retrans_noise(t.seconds)})"
+            elif b is not None:
+                summary += (f", RTT {_us(t.srtt_median_us)} vs {_us(b.rtt_median_us)} its baseline"
+                            + (f", {_us(statistics.median(active))} job median" if active else ""))
         else:
             summary += "; no link stands out"
         evidence = {
@@ -328,11 +546,14 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
             "slowdown": round(level / base, 2) if base > 0 else None, "recent_collectives": len(recent),
             "arrival_spread_median_s": round(statistics.median(_spread(st, v) for v in recent), 6),
             "first_slow_seq": first.seq, "links_since": round(since, 6),
+            "links_slow_since": round(st.episode, 6) if st.episode is not None else None,
+            "links_baseline_before": round(st.episode - BASELINE_GUARD_S, 6) if st.episode is not None else None,
             "localised_by": localised_by,
-            "pairs": [win[p].as_dict() for p in sorted(suspects)],
+            "pairs": [_judged_evidence(p, win[p], baselines.get(p)) for p in sorted(suspects)],
             "job_median_rtt_us": round(statistics.median(active), 1) if active else None,
-            "note": None if named else ("no link stands out: no link metrics for this job, or all pairs alike"
-                                        if not suspects else "several links out of line with no rank in common"),
+            "note": None if named else ("no link stands out: no link metrics for this job, or every pair "
+                                        "departed from its own baseline alike" if not suspects
+                                        else "several links out of line with no rank in common"),
         }
         # seq -1: a slowdown spans many collectives; the finding's identity must not move with the window.
         out.append(Finding(kind="slow", cls="comm-slow", ranks=ranks, link=link, comm=comm.id, seq=-1, op=op,

@@ -28,7 +28,7 @@ STEP_S = 0.5              # same period as the live collector's detection tick
 MAX_STEPS_PER_GAP = 2000  # bounds the work of an hour-long silence to a few thousand ticks
 
 
-def replay(store_dir: str, floor_s: float = 5.0, k: float = 4.0,
+def replay(store_dir: str, floor_s: Optional[float] = None, k: float = 4.0,
            step_s: float = STEP_S) -> Tuple[Timeline, List[Finding], List[Dict[str, Any]], Dict[str, Any]]:
     """(timeline, findings, recoveries, report). Raises StoreError when the store cannot be read at all."""
     problems: List[str] = []
@@ -59,13 +59,15 @@ def replay(store_dir: str, floor_s: float = 5.0, k: float = 4.0,
     first = last = None
     n = backwards = 0
     next_tick = 0.0
+    # `ccld run` stopped the job on purpose from here on: the live collector ran no detection after it
+    quiesced = meta.get("quiesced_at") if isinstance(meta.get("quiesced_at"), (int, float)) else None
     for recv, frame in records:
         if last is not None and recv < last:
             backwards += 1  # the collector's wall clock stepped back; keep recorded time monotonic
             recv = last
         if first is None:
             first, next_tick = recv, recv + step_s
-        next_tick = run_until(next_tick, recv)
+        next_tick = run_until(next_tick, recv if quiesced is None else min(recv, quiesced))
         _, err = ingest_frame(frame, recv, tl, counters)
         if err is not None and len(rejects) < 20:
             rejects.append(f"record {n} ({recv:.3f}): {err.reason}: {err}")
@@ -74,10 +76,12 @@ def replay(store_dir: str, floor_s: float = 5.0, k: float = 4.0,
     closed_at = meta.get("closed_at")
     if last is not None:
         end = max(last, closed_at) if isinstance(closed_at, (int, float)) else last
+        if quiesced is not None:
+            end = min(end, max(first, quiesced))
         run_until(next_tick, end)
         tick(end)
     report = dict(store=os.path.abspath(store_dir), segments=len(list_segments(store_dir)), records=n,
-                  problems=problems, first_recv=first, last_recv=last, closed_at=closed_at,
+                  problems=problems, first_recv=first, last_recv=last, closed_at=closed_at, quiesced_at=quiesced,
                   recv_time_backwards=backwards, reject_examples=rejects,
                   findings=len(findings), recoveries=len(recoveries), active=len(tracker.active),
                   updates=updates,

@@ -50,8 +50,9 @@ SMALL_GROUP = 64         # collectives of up to this many ranks are summarised w
 CONTENDED_RUNQ = 0.05    # runnable-but-waiting s per s that counts as CPU contention ...
 CONTENDED_VS_OTHERS = 2.0  # ... and this many times the other ranks' median (a label on a rank already late)
 SLOWER_CPU = 1.5         # a late rank whose own link is slow, waiting this much more for a CPU: one cause
-STARVED_RUNQ = 0.25      # to blame a slow collective on one rank's CPU instead of the network, more:
-STARVED_VS_OTHERS = 5.0  # a quarter of a second per second, 5x the others (a busy host varies ~2-3x)
+STARVED_RUNQ = 0.25      # to blame a slow collective on one rank's CPU instead of the network, more: a quarter
+STARVED_VS_OTHERS = 2.5  # of a second per second, 2.5x the others', each over the slowdown so far (one report
+SPAN_MIN_S = 5.0         # varies 2-3x between ranks on a busy host; over 5 s or more, far less)
 BUSY_CPU = 0.5           # CPU s per s that counts as compute-bound ...
 MORE_CPU = 0.15          # ... when it is this much more than the other ranks' median
 
@@ -311,10 +312,16 @@ def contended_inside(tl: Timeline, comm_slow: List[Finding], now: float) -> Tupl
         members = sorted(tl.expected_members(f.comm))
         suspects = f.ranks or members
         shares = {}
+        since = min(f.onset_at, now - SPAN_MIN_S)
         for r in members[:4096]:
             rec = tl.rank_record(comm.job, r)
-            if rec is not None and getattr(rec, "runq_share", None) is not None:
-                shares[r] = rec.runq_share
+            if rec is None:
+                continue
+            share = rec.runq_since(since) if hasattr(rec, "runq_since") else None
+            if share is None:
+                share = getattr(rec, "runq_share", None)
+            if share is not None:
+                shares[r] = share
         top = [r for r in suspects if r in shares]
         hit = None
         if len(shares) >= 2 and top:

@@ -22,6 +22,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ccld.diagnose.findings import Finding
 
+# A blocking dump stops the process to read it: a stopped one (T/t) cannot be stopped again, and one in
+# uninterruptible sleep (D: stuck I/O) never reaches the stop, so py-spy waits forever. Read those live.
+NONBLOCKING_STATES = ("T", "t", "D")
+
 TIMEOUT_S = 3.0       # a dump takes ~0.05 s (1 s with --native); 3 s means py-spy is stuck
 MAX_BYTES = 8192      # per rank: deep stacks of many threads are cut here (the main thread comes first)
 MAX_RANKS = 2         # ranks dumped per finding: the first culprits say what the others are doing too
@@ -134,7 +138,7 @@ class StackTaker:
                 per_rank[str(d.get("rank"))] = {"skipped": why}
                 continue
             text, problem, took = dump(int(d["pid"]), self.exe, min(self.timeout_s, max(0.5, budget - spent)),
-                                       nonblocking=d.get("state") in ("T", "t"), run=self.run)
+                                       nonblocking=d.get("state") in NONBLOCKING_STATES, run=self.run)
             spent += took
             entry: Dict[str, Any] = {"took_s": round(took, 3)}
             if problem:

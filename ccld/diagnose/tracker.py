@@ -35,9 +35,14 @@ class Changes:
 
 
 def track_key(f: Finding) -> Tuple:
-    """What makes two detector answers the same finding: Finding.key() for hangs and pauses; for a
-    slowdown (seq -1) its class and communicator only, since whom it names may sharpen or shift
-    while it lasts (a link localiser that sees the link only some of the time): that is an update."""
+    """What makes two detector answers the same finding: for a hang, its class, job and culprits (the
+    operation the detectors report it at may move: the collective the others wait in first, then a
+    send/recv that waits on the same rank directly; waits.resolve picks one per tick); Finding.key()
+    for pauses; for a slowdown (seq -1) its class and communicator only, since whom it names may
+    sharpen or shift while it lasts (a link localiser that sees the link only some of the time):
+    that is an update."""
+    if f.kind == "hang":
+        return ("hang", f.cls, f.job, tuple(f.ranks))
     return f.key() if f.seq >= 0 else (f.cls, f.comm, -1, ())
 
 
@@ -84,10 +89,12 @@ class FindingTracker:
             if story != said and now - at >= self.min_update_gap_s:
                 self._said[k] = (story, now)
                 out.updated.append(update_record(cur, now))
-        still = {(f.comm, f.seq, tuple(f.ranks)) for f in seen.values()}
+        still = {(f.comm, f.seq, tuple(f.ranks)) for f in seen.values()} | \
+            {(f.job, tuple(f.ranks)) for f in seen.values() if f.kind == "hang"}
         for k in [k for k in self.active if k not in seen]:
             f = self.active[k]
-            superseded = (f.comm, f.seq, tuple(f.ranks)) in still or (f.kind == "slow" and any(
+            superseded = (f.comm, f.seq, tuple(f.ranks)) in still or (
+                f.kind == "hang" and (f.job, tuple(f.ranks)) in still) or (f.kind == "slow" and any(
                 g.kind == "slow" and g.comm == f.comm and g.seq == f.seq and (f.seq < 0 or set(f.ranks) <= set(g.ranks))
                 for g in seen.values()))
             if f.kind == "slow" and f.seq < 0 and not superseded:

@@ -46,7 +46,7 @@ def _findings_from_file(path: str) -> Tuple[List[Dict[str, Any]], Dict[str, floa
     return found, ends
 
 
-def failure_records(store_dir: str, findings_path: Optional[str] = None, hang_after: float = 5.0) -> List[Dict[str, Any]]:
+def failure_records(store_dir: str, findings_path: Optional[str] = None, hang_after: Optional[float] = None) -> List[Dict[str, Any]]:
     from ccld.diagnose.replay import replay
     tl, findings, recoveries, report = replay(store_dir, floor_s=hang_after)
     if findings_path:
@@ -112,7 +112,7 @@ def write_records(records: List[Dict[str, Any]], out_path: str) -> None:
 
 
 def write_failure_trace(store_dir: str, out_path: str, findings_path: Optional[str] = None,
-                        hang_after: float = 5.0) -> str:
+                        hang_after: Optional[float] = None) -> str:
     """Write the trace; the one-line summary for the terminal."""
     records = failure_records(store_dir, findings_path, hang_after)
     write_records(records, out_path)

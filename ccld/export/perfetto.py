@@ -44,7 +44,7 @@ def _ns(t: Optional[float]) -> Optional[int]:
 def run_export(store_dir: str, out_path: str, make_sink: Callable[[Any], Any], mode: str,
                t_from: Optional[float] = None, t_to: Optional[float] = None,
                ranks: Optional[Iterable[int]] = None, progress: Optional[Callable[[Dict[str, Any]], None]] = None,
-               findings=None, hang_after: float = 5.0) -> Dict[str, Any]:
+               findings=None, hang_after: Optional[float] = None) -> Dict[str, Any]:
     """Shared by the Perfetto and Chrome JSON exports: stream the store through a TraceModel into
     `make_sink(file)`. findings=None replays the store for them (ccld.diagnose.replay); a list
     (Finding objects or their JSON dicts) is used as given."""
@@ -116,7 +116,7 @@ def run_export(store_dir: str, out_path: str, make_sink: Callable[[Any], Any], m
 
 def export_perfetto(store_dir: str, out_path: str, t_from: Optional[float] = None, t_to: Optional[float] = None,
                     ranks: Optional[Iterable[int]] = None, progress: Optional[Callable[[Dict[str, Any]], None]] = None,
-                    findings=None, hang_after: float = 5.0) -> Dict[str, Any]:
+                    findings=None, hang_after: Optional[float] = None) -> Dict[str, Any]:
     """Write `store_dir` as a Perfetto protobuf trace at `out_path`; returns stats (see run_export).
 
     t_from/t_to: Unix seconds (slices overlapping the window are kept whole); ranks: global ranks

@@ -52,7 +52,7 @@ Progress = Optional[Callable[[str], None]]
 
 
 def write_report(store_dir: str, out_html: str, progress: Progress = None, comm: Optional[str] = None,
-                 last: int = MAX_HEATMAP_COLLS, floor_s: float = 5.0) -> Dict[str, Any]:
+                 last: int = MAX_HEATMAP_COLLS, floor_s: Optional[float] = None) -> Dict[str, Any]:
     """Replay `store_dir`, write the page to `out_html`, and return a JSON-ready summary of it."""
     say = progress or (lambda _msg: None)
     t_start = time.monotonic()

@@ -26,18 +26,25 @@ from ccld import events as ev
 from ccld.errors import CcldError, EnvironmentProblem
 from ccld.tracer import discover, ibcounters, procstate
 from ccld.tracer.nodeclock import NodeClock
+from ccld.tracer.relay import Relay
 from ccld.tracer.shipper import Shipper
 from ccld.tracer.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_BYTES, Spool
 
 log = logging.getLogger("ccld.agent")
 
-POLL_MS = 50              # ring-buffer drain period; records wait at most this long in the kernel
+POLL_MS = 100             # ring-buffer drain period while records come, = the shipper's tick: records wait
+                          # at most this long in the kernel (the ring buffers hold seconds of a busy node)
+IDLE_POLL_MS = 500        # ... and, the drains finding nothing, the period doubles up to this: each wakeup
+                          # of the loop costs ~0.1 ms of CPU here, and a quiet job should not pay 10 a
+                          # second; the first records after a quiet spell wait at most this long
 SCAN_INTERVAL_MS = 200    # new ranks are attached within this (+ attach time) of mapping libtorch ...
 IDLE_SCAN_INTERVAL_MS = 1000  # ... while ranks come and go; once the set is stable for STABLE_S, scan
 STABLE_S = 30.0               # /proc less often (a full scan reads every /proc/PID/stat: ~1 % of a core)
 PROC_INTERVAL_S = 1.0     # /proc state of each rank, shipped as liveness and "what it is doing"
 ANNOUNCE_S = 10.0         # re-send hello and ranks so a restarted collector relearns the job
 NEG_CACHE_LIMIT = 65536   # remembered non-rank processes (by pid+cmdline) in --discover mode
+MAPS_RECHECK_S = 10.0     # a rank's /proc/PID/maps (thousands of lines with torch) is read again when its
+                          # address space grew (a library mapped), or at the latest this often
 NIC_INTERVAL_S = 5.0      # RDMA port counters (sysfs, cumulative): a slow or erroring link shows within
                           # seconds, and ~50 file reads per port every 5 s cost nothing measurable
 
@@ -49,9 +56,12 @@ class Rank:
     failed: Set[str] = field(default_factory=set)            # families that failed to attach
     last_state: Optional[Tuple[str, str, int]] = None
     last_state_at: float = 0.0
+    maps_vsize: int = -1         # the address space's size when its maps were last read for libraries
+    maps_read_at: float = 0.0
 
 
-FAMILY_NAMES = ("gloo", "nccl", "net", "sched", "rdma")  # every probe family this build has, in load order
+from ccld.bpf.progcache import PROGRAMS  # noqa: E402
+FAMILY_NAMES = tuple(PROGRAMS)  # every probe family this build has, in load order
 
 
 def _families(emit: Callable[[ev.Event], None], names: Sequence[str] = FAMILY_NAMES):
@@ -73,6 +83,49 @@ def _families(emit: Callable[[ev.Event], None], names: Sequence[str] = FAMILY_NA
     return out
 
 
+@dataclass
+class Preloaded:
+    """Probe families loaded before their agent exists (load_families)."""
+    relay: Relay
+    families: List[Tuple[object, object]]
+    sources: List[str]
+    problem: Optional[EnvironmentProblem]
+    warnings: List[str] = field(default_factory=list)
+
+
+def load_families(probes: Sequence[str] = FAMILY_NAMES, use_bpf: bool = True,
+                  programs: Optional[Dict[str, object]] = None) -> Preloaded:
+    """Compile (or take from the compiled-program cache) and load the probe families named;
+    `programs` holds those progcache.preload() already put in the kernel. Says nothing; the agent
+    that adopts them says what is on (Agent(preloaded=...))."""
+    programs = programs or {}
+    relay = Relay()
+    pre = Preloaded(relay, [], ["proc"], None)
+    if not use_bpf:
+        return pre
+    from ccld.bpf.loader import bpf_available
+    pre.problem = bpf_available()
+    if pre.problem is not None:
+        return pre
+    failed = []
+    for fam, tr in _families(relay, probes):
+        try:
+            fam.load(programs.pop(fam.NAME, None))
+        except EnvironmentProblem as e:
+            failed.append((fam.NAME, e))
+            continue
+        pre.families.append((fam, tr))
+        pre.sources.append(f"{fam.NAME} (eBPF)")
+    for prog in programs.values():  # preloaded for a family not asked for
+        prog.cleanup()
+    if failed and not pre.families:
+        pre.problem = failed[0][1]  # nothing loads: the environment, not one family
+    else:
+        for name, e in failed:  # one family that cannot load costs only its own events
+            pre.warnings.append(f"ccld: warning: {name} probes are off: {e} (fix: {e.hint})")
+    return pre
+
+
 def parse_probes(text: str) -> List[str]:
     """`--probes gloo,net` -> ["gloo", "net"]; an unknown name is an error that lists the known ones."""
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -88,7 +141,8 @@ class Agent:
                  discover_all: bool = False, use_bpf: bool = True, say: Callable[[str], None] = print,
                  node: Optional[str] = None, keys=None, probes: Sequence[str] = FAMILY_NAMES,
                  time_service: Optional[str] = None, clock: Optional[NodeClock] = None,
-                 spool_dir: Optional[str] = None, spool_max_bytes: int = DEFAULT_SPOOL_BYTES):
+                 spool_dir: Optional[str] = None, spool_max_bytes: int = DEFAULT_SPOOL_BYTES,
+                 preloaded: Optional[Preloaded] = None, cupti_sink=None):
         if not pids and root_pid is None and not discover_all:
             raise CcldError("the agent needs something to trace: --pid PID, --discover, or a command (ccld run)")
         self.endpoint = endpoint
@@ -123,38 +177,35 @@ class Agent:
                                acks=self.timesync.endpoint if self.timesync is not None else None, say=say)
         self.cupti_sink = None  # CuptiSink: the CUPTI shim's records, when ccld run injects it (open_cupti_sink)
         self.nic = ibcounters.CounterReader()  # RDMA NIC port counters, sampled when the node has any
+        self._preloaded = preloaded
+        if preloaded is not None:
+            self._adopt(preloaded)
+        if cupti_sink is not None:  # made before the agent (ccld run): its records come here now
+            self._adopt_sink(cupti_sink)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:
-        """Compile and load the probe families (about 1 s each). Says once which sources are on."""
-        if self.use_bpf:
-            from ccld.bpf.loader import bpf_available
-            self.bpf_problem = bpf_available()
-            if self.bpf_problem is None:
-                failed = []
-                for fam, tr in _families(self.shipper.put, self.probes):
-                    try:
-                        fam.load()
-                    except EnvironmentProblem as e:
-                        failed.append((fam.NAME, e))
-                        continue
-                    self.families.append((fam, tr))
-                    self.sources.append(f"{fam.NAME} (eBPF)")
-                if failed and not self.families:
-                    self.bpf_problem = failed[0][1]  # nothing loads: the environment, not one family
-                else:
-                    for name, e in failed:  # one family that cannot load costs only its own events
-                        self.say(f"ccld: warning: {name} probes are off: {e} (fix: {e.hint})")
-            if self.bpf_problem is not None:
-                self.say(f"ccld: eBPF probes are off: {self.bpf_problem} (fix: {self.bpf_problem.hint}); "
-                         f"tracing with /proc only")
-                for fam, _ in self.families:
-                    fam.close()
-                self.families = []
-                self.sources = ["proc"]
+        """Load the probe families (from the compiled-program cache: ~10 ms each; compiling: ~1 s
+        each). Says once which sources are on."""
+        if self._preloaded is None:
+            self._adopt(load_families(self.probes, self.use_bpf))
+
+    def _adopt(self, pre: Preloaded) -> None:
+        self._preloaded = pre
+        pre.relay.target = self.shipper.put
+        self.families, self.sources, self.bpf_problem = list(pre.families), list(pre.sources), pre.problem
+        for line in pre.warnings:
+            self.say(line)
+        if self.bpf_problem is not None and self.use_bpf:
+            self.say(f"ccld: eBPF probes are off: {self.bpf_problem} (fix: {self.bpf_problem.hint}); "
+                     f"tracing with /proc only")
+            for fam, _ in self.families:
+                fam.close()
+            self.families = []
+            self.sources = ["proc"]
 
     def start(self) -> "Agent":
-        if not self.families and self.use_bpf and self.bpf_problem is None:
+        if self._preloaded is None:
             self.load()
         if self.timesync is not None:
             self.timesync.start()
@@ -171,12 +222,16 @@ class Agent:
         pushes to (ccld/cupti/inject.py puts it in the job's environment). Polled by the loop."""
         from ccld.tracer.cupti_sink import CuptiSink
         if self.cupti_sink is None:
-            def rank_of(pid: int) -> Optional[int]:
-                r = self.ranks.get(pid)
-                return r.ident.rank if r is not None else None
-            self.cupti_sink = CuptiSink(self.shipper.put, rank_of=rank_of)
-            self.sources.append("cupti (shim)")
+            self._adopt_sink(CuptiSink(self.shipper.put))
         return self.cupti_sink.endpoint
+
+    def _adopt_sink(self, sink) -> None:
+        def rank_of(pid: int) -> Optional[int]:
+            r = self.ranks.get(pid)
+            return r.ident.rank if r is not None else None
+        sink.emit, sink.rank_of = self.shipper.put, rank_of
+        self.cupti_sink = sink
+        self.sources.append("cupti (shim)")
 
     def _poll_cupti(self, most: int = 256) -> None:
         try:
@@ -211,6 +266,7 @@ class Agent:
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         next_scan = next_announce = next_nic = 0.0
+        poll_ms = POLL_MS
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_scan:
@@ -232,12 +288,14 @@ class Agent:
                     log.exception("NIC counter sample failed")
             if self.cupti_sink is not None:
                 self._poll_cupti()
-            if self.families:
-                share = max(1, POLL_MS // len(self.families))
-                for fam, _ in self.families:
-                    fam.poll(share)
-            else:
-                self._stop.wait(POLL_MS / 1000)
+            self._stop.wait(poll_ms / 1000)
+            now_ns = time.monotonic_ns()
+            came = False
+            for fam, _ in self.families:  # each drains what came (or, kernel families, when their interval is up)
+                came |= bool(fam.tick(now_ns))
+            poll_ms = POLL_MS if came else min(IDLE_POLL_MS, poll_ms * 2)
+            if self.shipper.queued:
+                self.shipper.kick()  # one wakeup of the sender per drain that made events
 
     def _candidates(self) -> Set[int]:
         if self.discover_all:
@@ -288,11 +346,25 @@ class Agent:
         self._try_attach(r)
 
     def _try_attach(self, r: Rank) -> None:
-        for fam, _ in self.families:
+        pending = [fam for fam, _ in self.families if fam.NAME not in r.attached and fam.NAME not in r.failed]
+        if not pending:
+            return
+        from ccld.bpf.loader import KernelFamily, read_maps
+        maps = None
+        if any(not isinstance(f, KernelFamily) for f in pending):
+            # One read of the maps for every library family, and only when the address space changed
+            # (libraries come with an import or a dlopen) or MAPS_RECHECK_S passed: a torch rank's maps
+            # are ~1 ms of reading, and a CPU job never maps libnccl nor libibverbs.
+            vsize, now = procstate.vsize(r.ident.pid), time.monotonic()
+            if vsize != r.maps_vsize or now - r.maps_read_at >= MAPS_RECHECK_S:
+                r.maps_vsize, r.maps_read_at = vsize, now
+                maps = read_maps(r.ident.pid)
+        for fam in pending:
             name = fam.NAME
-            if name in r.attached or name in r.failed:
-                continue
-            lib = fam.find_lib(r.ident.pid)
+            if isinstance(fam, KernelFamily):
+                lib = fam.find_lib(r.ident.pid)
+            else:
+                lib = fam.find_lib(r.ident.pid, maps) if maps is not None else None
             if lib is None:
                 continue  # not mapped (yet): a rank still importing torch; try again next scan
             ts = time.monotonic_ns()

@@ -23,7 +23,7 @@ from ccld.errors import CcldError
 
 ENV = "CCLD_TEST_CLOCK"
 # Fields holding this node's CLOCK_MONOTONIC ns (0 in launch_ns/last_*_ns means "none": kept 0).
-MONO_FIELDS = ("ts_ns", "end_ns", "launch_ns", "last_tx_ns", "last_rx_ns", "mono_ns")
+MONO_FIELDS = ("ts_ns", "end_ns", "launch_ns", "last_tx_ns", "last_rx_ns", "mono_ns", "wait_ns")
 # Fields ending in _ns that are NOT monotonic times: durations and counters, and the wall clock
 # (shifted with its ClockSample's mono_ns). tests/unit/test_nodeclock.py checks that every *_ns
 # field of the schema is in one of the two lists, so a new time field cannot escape the transform.

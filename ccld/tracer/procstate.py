@@ -39,6 +39,7 @@ class Stat:
     utime: int    # field 14, clock ticks
     stime: int    # field 15, clock ticks
     starttime: int = 0  # field 22, clock ticks after boot: with the pid, names one process (pids are reused)
+    vsize: int = 0      # field 23, bytes of virtual memory: moves when a library is mapped
 
 
 def parse_stat(raw: bytes, source: str) -> Stat:
@@ -64,7 +65,7 @@ def parse_stat(raw: bytes, source: str) -> Stat:
     if len(state) != 1 or not state.isalpha():
         raise ProcParseError(f"{source}: field 3 (state) is {state[:40]!r}, not a state letter")
     return Stat(comm=comm, state=state.decode(), ppid=number(4, "ppid"), utime=number(14, "utime"),
-                stime=number(15, "stime"), starttime=number(22, "starttime"))
+                stime=number(15, "stime"), starttime=number(22, "starttime"), vsize=number(23, "vsize"))
 
 
 def read_stat(pid: int, proc: str = "/proc") -> Optional[Stat]:
@@ -94,3 +95,9 @@ def read_state(pid: int) -> Optional[Tuple[str, str, int]]:
     except OSError:
         wchan = ""
     return st.state, ("" if wchan == "0" else wchan), (st.utime + st.stime) * _TICK_NS
+
+
+def vsize(pid: int) -> int:
+    """The process's virtual memory size in bytes (/proc/PID/stat field 23), -1 when gone."""
+    st = read_stat(pid)
+    return -1 if st is None else st.vsize

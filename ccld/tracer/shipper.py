@@ -1,12 +1,14 @@
 """Ship events to the collector: a bounded queue, batches, a spool, ZeroMQ PUSH, acknowledged replay.
 
 `put()` never blocks and never raises: when the queue is full the event is dropped and counted,
-because the traced job (whose probes feed us) must never wait on the collector. A sender thread
-turns the queue into frames every FLUSH_INTERVAL_MS (or sooner when MAX_BATCH events are waiting),
+because the traced job (whose probes feed us) must never wait on the collector. It takes an Event
+or a drain's rows.Rows (a translator's collective events as columns, counted as that many events).
+A sender thread turns the queue into frames (frames.py) every FLUSH_INTERVAL_MS (or sooner when
+MAX_BATCH events are waiting),
 each with a fresh ClockSample and, once clock sync has one, the newest ClockSync estimate first
 (timesync.py), so the collector can convert this node's monotonic times; frames are held until clock
-sync settles. Every event passes NodeClock.event here, the one place a test clock (CCLD_TEST_CLOCK)
-is applied.
+sync settles. Every event passes the node clock in frames.encode, the one place a test clock
+(CCLD_TEST_CLOCK) is applied.
 Every frame goes to the spool (spool.py: on disk with `ccld agent`, else in memory) and is sent from
 there in order. The collector's "ack?" answers (ackclient.py, on its time service) say which batches
 its store holds: frames stay in the spool until acknowledged, and the send cursor goes back to the
@@ -29,13 +31,17 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ccld import events as ev
+from ccld.bpf.rows import Rows
+from ccld.tracer import frames
 from ccld.tracer.nodeclock import NodeClock
 from ccld.tracer.spool import Spool
 
 log = logging.getLogger("ccld.shipper")
 
 FLUSH_INTERVAL_MS = 100   # end-to-end latency budget is seconds; 100 ms keeps frames few and small
-MAX_BATCH = 2048          # events per frame; ~150 B each -> ~300 KiB frames at most
+HEARTBEAT_S = 0.5         # with nothing queued, a frame (its clock sample: the agent's heartbeat) this
+                          # often, not every tick: the collector calls an agent silent after 3 s
+MAX_BATCH = 2048          # events per frame; ~25 B each as columns, ~150 B as maps -> ~300 KiB frames at most
 QUEUE_LIMIT = 200_000     # ~30 MiB of events waiting to become frames (the sender drains it every tick)
 SNDHWM = 64               # frames ZeroMQ may hold per connection before send would block
 LOSS_EVERY_S = 2.0        # how often the cumulative loss counters are shipped
@@ -63,7 +69,8 @@ class Shipper:
         self.extra_loss = extra_loss or (lambda: {})
         self.say = say or (lambda line: log.warning("%s", line))
         self.spool = spool if spool is not None else Spool(None, collector=endpoint, say=self.say).open()
-        self.queue: collections.deque = collections.deque()
+        self.queue: collections.deque = collections.deque()  # Events and Rows
+        self.queued = 0               # events in the queue (a Rows counts its rows)
         self.dropped = 0
         self.sent_events = 0
         self.sent_frames = 0          # distinct frames sent (a replayed one counts once, here)
@@ -102,6 +109,7 @@ class Shipper:
         self._stall_since = 0.0
         self._stall_after = STALL_S
         self._first_sent_at: Optional[float] = None
+        self._last_frame_at = 0.0
         self._no_acks_said = False
         self.spool.retain = self._acker is not None  # until the collector turns out not to acknowledge
         self._thread = threading.Thread(target=self._run, name="ccld-shipper", daemon=True)
@@ -110,13 +118,16 @@ class Shipper:
         self._thread.start()
         return self
 
-    def put(self, event: ev.Event) -> None:
+    def put(self, item) -> None:
+        """Queue an Event or a Rows (never blocks: what does not fit is dropped and counted)."""
+        n = len(item) if type(item) is Rows else 1
         with self._lock:
-            if len(self.queue) >= QUEUE_LIMIT:
-                self.dropped += 1
+            if self.queued + n > QUEUE_LIMIT:
+                self.dropped += n
                 return
-            self.queue.append(event)
-            if len(self.queue) >= MAX_BATCH:
+            self.queue.append(item)
+            self.queued += n
+            if self.queued >= MAX_BATCH:
                 self._wake.set()
 
     def loss(self) -> Dict[str, int]:
@@ -139,17 +150,46 @@ class Shipper:
         """The number of the newest frame made (frames are numbered 1, 2, 3... per agent id)."""
         return self._batch_no
 
-    def _take(self, n: int) -> List[ev.Event]:
+    def _take(self, n: int) -> List:
+        """Up to n events' worth of items from the queue's head (a Rows cut to fit)."""
+        out = []
         with self._lock:
-            return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
+            room = n
+            while room > 0 and self.queue:
+                item = self.queue[0]
+                k = len(item) if type(item) is Rows else 1
+                if k > room:  # rows are in the order they were made: a prefix is a valid cut
+                    item, self.queue[0] = item.split(room)
+                    k = room
+                else:
+                    self.queue.popleft()
+                out.append(item)
+                room -= k
+            self.queued -= n - room
+        return out
 
     # ---- the sender thread ------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Frame and send what is queued now (the agent calls this after a drain that queued events)."""
+        self._wake.set()
+
+    def _timeout(self, last_loss: float) -> float:
+        """How long to sleep: a tick while there is something to frame or send; else until the next
+        heartbeat, ack request or loss report is due (each wakeup of a Python thread costs ~0.1 ms of
+        CPU here: an idle agent should not pay ten a second for nothing)."""
+        if self.queued or self.spool.unsent() or (self.sync is not None and not self.sync.settled.is_set()):
+            return FLUSH_INTERVAL_MS / 1000
+        now = time.monotonic()
+        due = min(self._last_frame_at + HEARTBEAT_S, last_loss + LOSS_EVERY_S,
+                  self._next_ack if self._acker is not None else float("inf"))
+        return min(max(FLUSH_INTERVAL_MS / 1000, due - now), HEARTBEAT_S)
 
     def _run(self) -> None:
         last_loss = 0.0
         while True:
             stopping = self._stop.is_set()
-            self._wake.wait(FLUSH_INTERVAL_MS / 1000)
+            self._wake.wait(self._timeout(last_loss))
             self._wake.clear()
             try:
                 self._watch()
@@ -170,25 +210,29 @@ class Shipper:
                 return
 
     def _frame_queued(self, last_loss: float, stopping: bool) -> float:
-        """Turn what is queued into frames in the spool (at least one a tick: its clock sample is the
-        agent's heartbeat). Bounded per tick, so a producer faster than us cannot starve the sends."""
+        """Turn what is queued into frames in the spool (with nothing queued, one every HEARTBEAT_S:
+        its clock sample is the agent's heartbeat). Bounded per tick, so a producer faster than us
+        cannot starve the sends."""
+        now = time.monotonic()
         with self._lock:
-            frames = max(1, -(-len(self.queue) // MAX_BATCH))
-        for i in range(frames):
+            queued = self.queued
+            n_frames = max(1, -(-queued // MAX_BATCH))
+        if not queued and not stopping and now - self._last_frame_at < HEARTBEAT_S and now - last_loss < LOSS_EVERY_S:
+            return last_loss
+        self._last_frame_at = now
+        for i in range(n_frames):
             batch = self._take(MAX_BATCH)
             now = time.monotonic()
-            if i == frames - 1 and (now - last_loss >= LOSS_EVERY_S or stopping):
+            if i == n_frames - 1 and (now - last_loss >= LOSS_EVERY_S or stopping):
                 batch.append(ev.LossCounters(ts_ns=time.monotonic_ns(), counters=self.loss()))
                 last_loss = now
             sync = self.sync.latest() if self.sync is not None else None
             if sync is not None:
                 batch.insert(0, sync)  # first: this frame's events convert with the newest estimate
             batch.append(clock_sample())
-            if not self.clock.identity:
-                batch = [self.clock.event(e) for e in batch]
             self._batch_no += 1
-            frame = ev.encode_batch(self.agent, self.node, self._batch_no, batch, resend=True)
-            self.spool.append(self.agent, self._batch_no, len(batch), frame)
+            frame = frames.encode(self.agent, self.node, self._batch_no, batch, self.clock)
+            self.spool.append(self.agent, self._batch_no, sum(map(frames.count, batch)), frame)
         return last_loss
 
     def _send(self) -> None:
@@ -289,8 +333,9 @@ class Shipper:
         if self._thread.is_alive():
             self._thread.join(timeout_s + 1.0)
         with self._lock:
-            self.dropped += len(self.queue)
+            self.dropped += self.queued
             self.queue.clear()
+            self.queued = 0
         if self._thread.is_alive():  # never close sockets under the thread using them
             log.warning("shipper thread did not stop; leaving its sockets open")
             return

@@ -2,11 +2,13 @@
 real Agent with its eBPF uprobes, and an in-process Collector over ZeroMQ on a random 127.0.0.1 port.
 
 What the job does is known exactly (ccld/workloads/gloo_job.py), so the tests count every event. Each
-step of `--ops allreduce,broadcast,allgather,barrier,sendrecv` uses 6 of c10d's per-group sequence
-numbers: 4 collectives, then send and recv (c10d numbers p2p calls too, and the translator reports
-them as P2P, not as collectives). Seen on torch 2.13: the default group's first collective is seq 1
-and neither init_process_group (a store-based barrier) nor destroy_process_group adds any, so the
-collective seqs of a job are exactly 1 + 6*step + {0, 1, 2, 3}.
+step of `--ops allreduce,broadcast,allgather,barrier,sendrecv` is 4 collectives, then a send to the next
+rank and a recv from the previous one. c10d's own per-group seq counts both (6 a step); the collectives'
+seq is c10d's collective tag + 1, which counts collectives only, so it is the same on every rank also
+where p2p ops differ (pipelines) and when we attach mid-run. Seen on torch 2.13: the default group's
+first collective is tag 0 and neither init_process_group (a store-based barrier) nor
+destroy_process_group takes one, so the collective seqs of a job are exactly 1 + 4*step + {0, 1, 2, 3};
+the n-th send of rank r (to r+1) pairs with the n-th recv of r+1 (from r), n = 1..steps.
 Sizes: every rank's enter of an allreduce, broadcast or allgather carries the tensor's bytes (--elems
 float32 elements; for allgather the input, the smallest of its buffers); a barrier carries none.
 Every process started here is killed (its whole session) even when an assertion fails.
@@ -23,13 +25,14 @@ from typing import Dict, List, Optional
 import pytest
 
 from conftest import GLOO_JOB, ROOT, gloo_job_cmd
+from recorder import Recorder
 
 pytestmark = pytest.mark.bpf
 
 WORLD = 4
 OPS = "allreduce,broadcast,allgather,barrier,sendrecv"
 COLL_OPS = ("allreduce", "broadcast", "allgather", "barrier")  # in the order a step calls them
-SEQS_PER_STEP = 6          # the 4 collectives + send + recv
+SEQS_PER_STEP = 4          # the 4 collectives (send and recv are numbered apart, per peer)
 STEPS = 23                 # prime: a lost or duplicated event cannot hide in a multiple
 LONG_STEPS = 400           # the attach-mid-run job: ~10-30 s here, long enough to attach into
 ATTACH_TIMEOUT_S = 120     # torchrun start + symbol scan of libtorch_cpu.so, on a loaded 2-core box
@@ -40,13 +43,30 @@ ELEMS = 4096               # gloo_job.py's default --elems (float32)
 
 
 def expected_op(seq: int) -> Optional[str]:
-    """The collective the workload calls at c10d seq `seq`, or None for a send/recv seq."""
-    j = (seq - 1) % SEQS_PER_STEP
-    return COLL_OPS[j] if j < len(COLL_OPS) else None
+    """The collective the workload calls at seq `seq`."""
+    return COLL_OPS[(seq - 1) % SEQS_PER_STEP]
 
 
 def job_colls(steps: int) -> Dict[int, str]:
     return {1 + SEQS_PER_STEP * s + j: op for s in range(steps) for j, op in enumerate(COLL_OPS)}
+
+
+class Enters:
+    """The CollEnters among the items a translator sent from item `start` on."""
+
+    def __init__(self, items: list, start: int):
+        self.items, self.start = items, start
+
+    def _all(self) -> list:
+        from ccld.bpf.rows import Rows
+        return [e for item in self.items[self.start:] for e in (item.events() if isinstance(item, Rows) else [item])
+                if e.KIND == "coll"]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
 
 
 class Pipeline:
@@ -61,6 +81,8 @@ class Pipeline:
         self.agent = None
         self.out_path = str(tmp_path / "torchrun.out")
         self.port = None
+        self.emitted: list = []   # every item the gloo translator sent
+        self.recorder = None
 
     def start_job(self, *args, torchrun_args=()) -> subprocess.Popen:
         cmd = gloo_job_cmd(WORLD, *args)
@@ -81,21 +103,37 @@ class Pipeline:
         self.agent.load()
         assert self.agent.bpf_problem is None, f"eBPF did not load: {self.agent.bpf_problem}"
         assert any(fam.NAME == "gloo" for fam, _ in self.agent.families), self.agent.sources
+        # Keep every drain the family hands its translator (and what the translator sends), so that
+        # check_batch() can replay the kernel's records into the record-by-record reference.
+        for i, (fam, tr) in enumerate(self.agent.families):
+            if fam.NAME == "gloo":
+                self.translator, self.recorder = tr, Recorder(fam.KINDS, forward=tr)
+                fam.on_record = self.recorder
+                self.agent.families[i] = (fam, self.recorder)
+                emit = tr.emit
+
+                def keep(item, emit=emit):
+                    self.emitted.append(item)
+                    emit(item)
+                tr.emit = keep
         return self.agent
 
     def capture_enters(self) -> List:
-        """Every CollEnter the gloo translator emits from now on (the timeline keeps no nbytes)."""
-        got: List = []
-        for fam, tr in self.agent.families:
-            if fam.NAME == "gloo":
-                emit = tr.emit
+        """Every CollEnter the gloo translator sends from now on (the timeline keeps no nbytes)."""
+        return Enters(self.emitted, len(self.emitted))
 
-                def both(e, emit=emit):
-                    if e.KIND == "coll":
-                        got.append(e)
-                    emit(e)
-                tr.emit = both
-        return got
+    def check_batch(self) -> None:
+        """What the batch translator made of the kernel's records equals what the one-record-at-a-time
+        reference makes of the same drains (replayed with the same flushes and process changes):
+        every process's communicators in order, and all its other events, in order, field by field."""
+        from gloo_reference import ReferenceTranslator
+        from test_gloo_batch import compare
+        ref_out: list = []
+        ref = ReferenceTranslator(ref_out.append)
+        self.recorder.replay(ref, feed=ref.feed)
+        n = sum(len(a[0]) for w, a in self.recorder.drains if w == "records")
+        assert n > 0, "no record was drained"
+        compare(self.emitted, ref_out, self.translator, ref)
 
     def output(self, tail: int = 6000) -> str:
         try:
@@ -274,9 +312,25 @@ def test_exact_counts_and_matching(pipeline, tmp_path):
            or set(v.ops.values()) != {want_seqs[v.seq]} or v.completed_at is None]
     assert not bad, "collectives not matched across all ranks:\n" + "\n".join(bad[:20])
     assert comm.completed == len(want_seqs)
+    lib_seqs = sorted({e.lib_seq for e in enters})  # c10d's own numbering: 6 a step, with the p2p ops
+    assert lib_seqs == sorted(1 + 6 * s + j for s in range(STEPS) for j in range(len(COLL_OPS))), lib_seqs[:12]
+    # p2p: the n-th send r -> r+1 with the n-th recv of r+1 from r, every one over, sizes on both sides
+    p2p = comm.p2p
+    assert p2p is not None and p2p.exact == everyone, "p2p numbering should begin with the group"
+    for r in range(WORLD):
+        dst = (r + 1) % WORLD
+        pairs = list(p2p.pairs(r, dst, r, dst))
+        assert [s.seq for s, _ in pairs] == list(range(1, STEPS + 1)), f"stream {r}->{dst}: {len(pairs)} pairs"
+        bad = [(s.seq, s.ended, v.ended, s.nbytes, v.nbytes) for s, v in pairs
+               if s.ended is None or v.ended is None or not (s.ok and v.ok) or s.nbytes != 4 * ELEMS
+               or v.nbytes != 4 * ELEMS or v.ended < s.posted]
+        assert not bad, f"stream {r}->{dst}: transfers not over, failed, unsized or out of order: {bad[:5]}"
+    assert not p2p.open, f"p2p ops never over: {p2p.open}"
+    assert (p2p.posted, p2p.ended) == (2 * WORLD * STEPS, 2 * WORLD * STEPS)
     assert not tl.anomalies, f"timeline anomalies: {dict(tl.anomalies)}"
     assert_no_loss(tl)
     assert next(iter(tl.agent_loss.values())).get("gloo_unmatched") == 0
+    pipeline.check_batch()
 
 
 def test_attach_to_running_job(pipeline):
@@ -319,6 +373,7 @@ def test_attach_to_running_job(pipeline):
     assert comm.max_seq == last, f"last seq {comm.max_seq}, the workload's last collective is {last}"
     assert not tl.anomalies, f"timeline anomalies: {dict(tl.anomalies)}"
     assert_no_loss(tl)
+    pipeline.check_batch()
 
 
 def test_hang_timeout_is_a_python_error(pipeline, tmp_path):
@@ -362,12 +417,13 @@ def test_hang_timeout_is_a_python_error(pipeline, tmp_path):
     assert set(view.enter) == set(view.end) == set(view.failed) == others, describe(view)
     assert set(view.ops.values()) == {expected_op(hung)}, describe(view)
     assert all("finishWorkGlooError" in why for why in view.failed.values()), view.failed
-    assert comm.last_entered[hang_rank][0] == hung - 3, (  # its last: the barrier of step 4
+    assert comm.last_entered[hang_rank][0] == hung - 1, (  # its last: the barrier of step 4
         f"rank {hang_rank} last entered {comm.last_entered[hang_rank]}")
     before = [describe(v) for s, v in comm.colls.items()
               if s < hung and (set(v.end) != set(range(WORLD)) or v.failed)]
     assert not before, "collectives before the hang did not all complete:\n" + "\n".join(before)
     assert_no_loss(tl)
+    pipeline.check_batch()
 
 
 @pytest.mark.unit

@@ -1,12 +1,15 @@
-"""The gloo translator's size join, on hand-made records (no root, no job): the enter of a sized op
-waits for its size record (gloo's worker thread measures the buffers after the Python thread's
-enter), and goes out without one when the work ends first, HOLD_MS pass, or the process is
-forgotten; the events keep their order (enter, start, end) whatever the records' order.
-The real probes on a real job: test_gloo_probes.py (sizes of every op, every rank).
+"""The gloo translator's size join, on hand-made records handed over as drains (no root, no job): the
+enter of a sized op waits for its size (gloo's worker thread measures the buffers after the Python
+thread's enter, and sends them with the start), and goes out without one when the work ends first,
+HOLD_MS pass, or the process is forgotten; the events keep their order (enter, start, end) whatever
+the records' order. The real probes on a real job: test_gloo_probes.py (sizes of every op, every
+rank); the batch translator against the one-record-at-a-time reference: test_gloo_batch.py.
 """
+import numpy as np
 import pytest
 
 from ccld.bpf import gloo
+from ccld.bpf.rows import Rows
 
 pytestmark = pytest.mark.unit
 
@@ -16,36 +19,72 @@ MS = 1_000_000
 
 def rec(cls, kind, ts_ns, **fields):
     r = cls()
-    r.hdr.kind, r.hdr.ts_ns, r.hdr.tgid, r.hdr.tid = kind, ts_ns, PID, PID + 1
+    r.hdr.kind, r.hdr.version, r.hdr.size = kind, 1, ctypes_size(cls)
+    r.hdr.ts_ns, r.hdr.tgid, r.hdr.tid = ts_ns, PID, PID + 1
     for k, v in fields.items():
         setattr(r, k, v)
     return r
 
 
-def init(ts, op=1, seq=7, work=WORK):  # op 1: allreduce (c10d::OpType)
-    return rec(gloo.WorkInit, gloo.WORK_INIT, ts, pg=PG, work=work, seq=seq, enter_ns=ts - 5, op=op)
+def ctypes_size(cls):
+    import ctypes
+    return ctypes.sizeof(cls)
 
 
-def start(ts, work=WORK):
-    return rec(gloo.WorkEv, gloo.WORK_START, ts, work=work, ok=1)
+def drain(t, *recs):
+    """Hand the translator these records as one drain, as the ring buffer gives them."""
+    raw = b"".join(bytes(r).ljust(gloo.REC_SIZE, b"\0") for r in recs)
+    rows = np.frombuffer(raw, np.uint8).reshape(len(recs), gloo.REC_SIZE).copy()
+    good, kinds = gloo.KINDS.check(rows, {})
+    assert len(good) == len(recs)
+    t.records(good, kinds)
 
 
-def end(ts, ok=1, work=WORK):
-    return rec(gloo.WorkEv, gloo.WORK_END, ts, work=work, ok=ok)
+class Out(list):
+    """What the translator emitted, Rows expanded into events."""
+
+    def __call__(self, item):
+        self.extend(item.events() if isinstance(item, Rows) else [item])
 
 
-def size(ts, nbytes, nbufs=1, work=WORK):
-    return rec(gloo.WorkSize, gloo.WORK_SIZE, ts, work=work, min_bytes=nbytes, total_bytes=nbytes * nbufs,
-               nbufs=nbufs)
+def init(ts, op=1, seq=7, work=WORK):  # op 1: allreduce (c10d::OpType); seq: the collective's, from the kernel
+    return rec(gloo.WorkInit, gloo.WORK_INIT, ts, pg=PG, work=work, seq=seq, lib_seq=seq + 10, enter_ns=ts - 5,
+               op=op, tag=seq - 1)  # c10d's seq counts p2p too: 10 more here
+
+
+def enter_of(found, releases, op=1, enter_ns=0, lib_seq=17):
+    """What the kernel copies from `works` into a start or an end: the enter's fields, whether it was
+    found, and whether this is the first start (with sizes) or end since the enter."""
+    e = gloo.EnterOf()
+    if found:
+        e.enter_ns, e.lib_seq, e.tid, e.op, e.found, e.releases = enter_ns, lib_seq, PID + 1, op, 1, releases
+    return e
+
+
+def start(ts, nbytes=None, nbufs=1, work=WORK, seq=7, found=1, releases=1, op=1, enter_ns=None):
+    """A start with the sizes of its buffers (nbytes None: no algorithm entry closed the window, and
+    such a start never releases its enter)."""
+    sized = int(nbytes is not None)
+    return rec(gloo.WorkStart, gloo.WORK_START, ts + 3, pg=PG if found else 0, work=work, seq=seq if found else 0,
+               start_ns=ts, min_bytes=nbytes or 0, total_bytes=(nbytes or 0) * nbufs,
+               nbufs=nbufs if nbytes is not None else 0, sized=sized,
+               e=enter_of(found, releases & sized, op, enter_ns if enter_ns is not None else 100 * MS - 5, seq + 10))
+
+
+def end(ts, ok=1, work=WORK, seq=7, start_ns=0, found=1, releases=1, op=1, enter_ns=None):
+    """An end (releases=0 when a sized start went before it)."""
+    return rec(gloo.WorkEnd, gloo.WORK_END, ts, pg=PG if found else 0, work=work, seq=seq if found else 0, ok=ok,
+               start_ns=start_ns, e=enter_of(found, releases, op,
+                                             enter_ns if enter_ns is not None else 100 * MS - 5, seq + 10))
 
 
 @pytest.fixture
 def tr():
-    out = []
-    t = gloo.GlooTranslator(out.append)
+    out = Out()
+    t = gloo.GlooTranslator(out)
     t.out = out
     t.add_process(PID, RANK, "job")
-    t(gloo.PG_INIT, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4))
+    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4))
     out.clear()
     return t
 
@@ -55,68 +94,90 @@ def kinds(out):
 
 
 def test_the_enter_waits_for_its_size_and_the_start_follows_it(tr):
-    tr(gloo.WORK_INIT, init(100 * MS))
-    tr(gloo.WORK_START, start(100 * MS + 10))
+    drain(tr, init(100 * MS))
     assert tr.out == []
-    tr(gloo.WORK_SIZE, size(100 * MS + 20, 16384))
+    drain(tr, start(100 * MS + 10, 16384))
     assert kinds(tr.out) == [("coll", 16384), ("start", None)]
     e, s = tr.out
-    assert (e.comm, e.seq, e.op, e.ts_ns, e.count, e.dtype) == ("job/gloo:0", 7, "allreduce", 100 * MS - 5, -1, "")
-    assert s.ts_ns == 100 * MS + 10
-    tr(gloo.WORK_END, end(100 * MS + 30))
+    assert (e.comm, e.seq, e.op, e.ts_ns, e.count, e.dtype, e.lib_seq) == ("job/gloo:0", 7, "allreduce", 100 * MS - 5,
+                                                                            -1, "", 17)
+    assert s.ts_ns == 100 * MS + 10 and s.seq == 7
+    drain(tr, end(100 * MS + 30, releases=0))
     assert kinds(tr.out)[-1] == ("end", None) and tr.unsized == 0 and tr.unmatched == 0
 
 
+def test_one_drain_of_a_whole_collective_is_the_same(tr):
+    drain(tr, init(100 * MS), start(100 * MS + 10, 16384), end(100 * MS + 30, releases=0))
+    assert kinds(tr.out) == [("coll", 16384), ("start", None), ("end", None)]
+
+
 def test_ops_without_a_size_to_compare_go_out_at_once(tr):
-    tr(gloo.WORK_INIT, init(100 * MS, op=15))  # barrier
+    drain(tr, init(100 * MS, op=15))  # barrier
     assert kinds(tr.out) == [("coll", -1)]
-    tr(gloo.WORK_INIT, init(101 * MS, op=11, seq=8, work=WORK + 8))  # alltoall: uneven splits are legal
+    drain(tr, init(101 * MS, op=11, seq=8, work=WORK + 8))  # alltoall: uneven splits are legal
     assert kinds(tr.out) == [("coll", -1), ("coll", -1)]
 
 
 def test_a_work_that_ends_before_its_size_keeps_enter_start_end_order(tr):
-    tr(gloo.WORK_INIT, init(100 * MS))
-    tr(gloo.WORK_START, start(100 * MS + 10))
-    tr(gloo.WORK_END, end(100 * MS + 30, ok=0))
+    drain(tr, init(100 * MS))
+    drain(tr, end(100 * MS + 30, ok=0, start_ns=100 * MS + 10))  # no algorithm entry: the start comes with the end
     assert kinds(tr.out) == [("coll", -1), ("start", None), ("end", None)]
+    assert tr.out[1].ts_ns == 100 * MS + 10
     assert tr.out[2].ok is False and tr.unsized == 1
-    tr(gloo.WORK_SIZE, size(100 * MS + 40, 16384))  # too late, and for a work already gone: ignored
-    assert len(tr.out) == 3
+    drain(tr, start(100 * MS + 40, 16384, found=0))  # a start of a work already gone: counted only
+    assert len(tr.out) == 3 and tr.unmatched == 1
 
 
 def test_a_busy_worker_costs_the_size_after_hold_ms_not_the_enter(tr):
-    tr(gloo.WORK_INIT, init(100 * MS))
+    drain(tr, init(100 * MS))
     tr.flush(100 * MS + gloo.HOLD_MS * MS - 1)
     assert tr.out == []
     tr.flush(100 * MS + gloo.HOLD_MS * MS)
     assert kinds(tr.out) == [("coll", -1)] and tr.unsized == 1
-    tr(gloo.WORK_START, start(400 * MS))
-    tr(gloo.WORK_SIZE, size(400 * MS + 10, 16384))
-    tr(gloo.WORK_END, end(400 * MS + 20))
+    drain(tr, start(400 * MS, 16384), end(400 * MS + 20, releases=0))  # the enter went already: not again
     assert kinds(tr.out) == [("coll", -1), ("start", None), ("end", None)]
 
 
 def test_no_buffer_is_no_size(tr):
-    tr(gloo.WORK_INIT, init(100 * MS))
-    tr(gloo.WORK_SIZE, size(100 * MS + 20, 0, nbufs=0))
-    assert kinds(tr.out) == [("coll", -1)]
+    drain(tr, init(100 * MS), start(100 * MS + 20, 0, nbufs=0))
+    assert kinds(tr.out) == [("coll", -1), ("start", None)]
+
+
+def test_a_start_without_sizes_waits_with_its_enter(tr):
+    drain(tr, init(100 * MS))
+    drain(tr, start(100 * MS + 10, None))  # the window never closed: the enter still waits for a size
+    assert tr.out == []
+    drain(tr, end(100 * MS + 30))
+    assert kinds(tr.out) == [("coll", -1), ("start", None), ("end", None)]
+    assert tr.out[1].ts_ns == 100 * MS + 10
 
 
 def test_forgetting_a_process_sends_its_held_enters_first(tr):
-    tr(gloo.WORK_INIT, init(100 * MS))
-    tr(gloo.WORK_INIT, init(100 * MS + 1, seq=8, work=WORK + 8))
+    drain(tr, init(100 * MS), init(100 * MS + 1, seq=8, work=WORK + 8))
     tr.forget(PID)
     assert [(e.KIND, e.seq) for e in tr.out] == [("coll", 7), ("coll", 8)]
     tr.flush(10**12)  # nothing left to send
-    assert len(tr.out) == 2 and tr._holding == 0
+    assert len(tr.out) == 2 and not tr.held
 
 
 def test_sizes_of_two_workers_do_not_mix(tr):
-    tr(gloo.WORK_INIT, init(100 * MS))
-    tr(gloo.WORK_INIT, init(100 * MS + 1, seq=8, work=WORK + 8))
-    tr(gloo.WORK_SIZE, size(100 * MS + 20, 800, work=WORK + 8))
-    tr(gloo.WORK_SIZE, size(100 * MS + 21, 400))
-    assert [(e.seq, e.nbytes) for e in tr.out] == [(8, 800), (7, 400)]
+    drain(tr, init(100 * MS), init(100 * MS + 1, seq=8, work=WORK + 8),
+          start(100 * MS + 20, 800, work=WORK + 8, seq=8, enter_ns=100 * MS - 4), start(100 * MS + 21, 400))
+    assert [(e.KIND, e.seq, getattr(e, "nbytes", None)) for e in tr.out] == [
+        ("coll", 8, 800), ("start", 8, None), ("coll", 7, 400), ("start", 7, None)]
+
+
+def test_a_reused_work_object_sends_the_older_enter_first(tr):
+    again = init(100 * MS + 1, seq=8)
+    again.reuse = 1  # the kernel's flag: the work object's last enter had no start or end yet
+    drain(tr, init(100 * MS), again, start(100 * MS + 20, 800, seq=8, enter_ns=100 * MS - 4))
+    assert [(e.KIND, e.seq, getattr(e, "nbytes", None)) for e in tr.out] == [
+        ("coll", 7, -1), ("coll", 8, 800), ("start", 8, None)]
+
+
+def test_starts_and_ends_of_works_never_entered_are_counted_not_sent(tr):
+    drain(tr, start(100 * MS, 64, found=0), end(100 * MS + 5, found=0, start_ns=1))
+    assert tr.out == [] and tr.unmatched == 3
 
 
 def pair_fail(ts, peer, msg):
@@ -128,10 +189,10 @@ GLOO_MSG = (b"[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:
 
 
 def test_a_failed_collective_names_the_first_connection_that_broke(tr):
-    tr(gloo.WORK_INIT, init(100 * MS, op=15))   # barrier: no size to wait for
-    tr(gloo.PAIR_FAIL, pair_fail(100 * MS + 5, 2, GLOO_MSG))
-    tr(gloo.PAIR_FAIL, pair_fail(100 * MS + 6, 0, b"Connection closed by peer [127.0.0.1]:41361"))  # follows
-    tr(gloo.WORK_END, end(100 * MS + 9, ok=0))
+    drain(tr, init(100 * MS, op=15),   # barrier: no size to wait for
+          pair_fail(100 * MS + 5, 2, GLOO_MSG),
+          pair_fail(100 * MS + 6, 0, b"Connection closed by peer [127.0.0.1]:41361"),  # follows from the first
+          end(100 * MS + 9, ok=0, op=15))
     e = tr.out[-1]
     assert e.ok is False and e.error == ("gloo reported an error (finishWorkGlooError); connection to group rank 2 "
                                          "broke: Read error [127.0.0.1]:65238: Connection reset by peer")
@@ -139,13 +200,79 @@ def test_a_failed_collective_names_the_first_connection_that_broke(tr):
 
 
 def test_a_good_end_forgets_an_old_broken_connection(tr):
-    tr(gloo.PAIR_FAIL, pair_fail(90 * MS, -1, b"Connection closed by peer [127.0.0.1]:41361"))
-    tr(gloo.WORK_INIT, init(100 * MS, op=15))
-    tr(gloo.WORK_END, end(100 * MS + 9, ok=1))
-    tr(gloo.WORK_INIT, init(101 * MS, op=15, seq=8))
-    tr(gloo.WORK_END, end(101 * MS + 9, ok=0))
+    drain(tr, pair_fail(90 * MS, -1, b"Connection closed by peer [127.0.0.1]:41361"))
+    drain(tr, init(100 * MS, op=15), end(100 * MS + 9, ok=1, op=15), init(101 * MS, op=15, seq=8),
+          end(101 * MS + 9, ok=0, seq=8, op=15))
     assert tr.out[-1].error == "gloo reported an error (finishWorkGlooError)"
-    tr(gloo.PAIR_FAIL, pair_fail(102 * MS, -1, b"Connection closed by peer [127.0.0.1]:41361"))
-    tr(gloo.WORK_INIT, init(103 * MS, op=15, seq=9))
-    tr(gloo.WORK_END, end(103 * MS + 9, ok=0))
+    drain(tr, pair_fail(102 * MS, -1, b"Connection closed by peer [127.0.0.1]:41361"))
+    drain(tr, init(103 * MS, op=15, seq=9), end(103 * MS + 9, ok=0, seq=9, op=15))
     assert tr.out[-1].error.endswith("; a connection broke: Connection closed by peer [127.0.0.1]:41361")
+
+
+# ---- numbering: collectives by c10d's tag (in the kernel), p2p ops per direction and peer ------
+
+def p2p(ts, op=12, peer=1, work=0x3000, seq=1, nbytes=64):  # op 12 send, 13 recv (c10d::OpType)
+    return rec(gloo.P2pRec, gloo.P2P_REC, ts, pg=PG, work=work, seq=seq, enter_ns=ts - 3, nbytes=nbytes, op=op,
+               peer=peer, tag=0)
+
+
+def p2p_end(ts, work=0x3000, ok=1, wait_ns=0):
+    return rec(gloo.P2pEnd, gloo.P2P_END, ts, work=work, ok=ok, wait_ns=wait_ns)
+
+
+def test_collectives_carry_the_kernels_seq_and_c10ds_as_lib_seq(tr):
+    # c10d's seq jumps by the p2p ops in between (11, 15); the kernel's seq counts collectives only
+    drain(tr, rec(gloo.WorkInit, gloo.WORK_INIT, 1 * MS, pg=PG, work=WORK, seq=1, lib_seq=11, tag=0, op=15, enter_ns=1),
+          rec(gloo.WorkInit, gloo.WORK_INIT, 2 * MS, pg=PG, work=WORK + 8, seq=2, lib_seq=15, tag=1, op=15, enter_ns=2))
+    assert [(e.seq, e.lib_seq) for e in tr.out] == [(1, 11), (2, 15)]
+
+
+def test_p2p_ops_are_numbered_per_direction_and_peer_and_their_ends_follow():
+    out = Out()
+    t = gloo.GlooTranslator(out)
+    t.add_process(PID, RANK, "job")
+    t.tags_readable(PID, True)
+    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4))
+    (init_ev,) = out
+    assert init_ev.seq_source == "library"
+    out.clear()
+    drain(t, p2p(10, op=13, peer=2, work=0x10, seq=1),   # recv from 2 (#1)
+          p2p(20, op=12, peer=4, work=0x20, seq=2),      # send to 4 (#1)
+          p2p_end(30, work=0x10, wait_ns=12),
+          p2p(40, op=13, peer=2, work=0x10, seq=3),      # recv from 2 (#2): the address is reused
+          p2p_end(50, work=0x10, ok=0),
+          p2p_end(60, work=0x20))
+    got = [(e.KIND, e.op, e.peer, e.seq) for e in out]
+    assert got == [("p2p", "recv", 2, 1), ("p2p", "send", 4, 1), ("p2p_end", "recv", 2, 1), ("p2p", "recv", 2, 2),
+                   ("p2p_end", "recv", 2, 2), ("p2p_end", "send", 4, 1)]
+    assert (out[0].ts_ns, out[0].nbytes, out[0].lib_seq) == (7, 64, 1)  # posted when the API was entered
+    assert out[2].wait_ns == 12 and out[4].ok is False and out[4].error
+    assert t.abandoned == 0 and t.unmatched == 0
+    drain(t, p2p_end(70, work=0x99))  # an op posted before we attached
+    assert t.unmatched == 1
+
+
+def test_seq_source_says_whether_counting_began_with_the_group():
+    out = Out()
+    t = gloo.GlooTranslator(out)
+    t.add_process(PID, RANK, "job")
+    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4),  # seen at creation
+          rec(gloo.WorkInit, gloo.WORK_INIT, 2, pg=PG + 1, work=WORK, seq=3, tag=-1, op=15, enter_ns=1))
+    assert [(e.KIND, e.seq_source) for e in out if e.KIND == "comm"] == [("comm", "counted"), ("comm", "attach")]
+
+
+def test_records_of_processes_not_traced_are_dropped(tr):
+    other = init(100 * MS, op=15)
+    other.hdr.tgid = PID + 100
+    drain(tr, other)
+    assert tr.out == [] and tr.unmatched == 0
+
+
+def test_the_tag_offset_is_read_off_nexttags_code_and_nothing_else():
+    body = b"\x8b\x87\xd4\x00\x00\x00" b"\x8d\x50\x01" b"\x89\x97\xd4\x00\x00\x00" b"\xc3"
+    assert gloo.tag_offset(body + b"\x90" * 8) == 0xD4
+    assert gloo.tag_offset(b"\xf3\x0f\x1e\xfa" + body) == 0xD4                        # endbr64 first
+    assert gloo.tag_offset(b"\x8b\x47\x30\x8d\x50\x01\x89\x57\x30\xc3" + b"\x90" * 4) == 0x30  # disp8
+    assert gloo.tag_offset(body.replace(b"\x89\x97\xd4", b"\x89\x97\xd8")) is None     # stores elsewhere
+    assert gloo.tag_offset(b"\xf0\x0f\xc1\x07" + b"\x90" * 20) is None                 # an atomic: unknown
+    assert gloo.tag_offset(b"") is None

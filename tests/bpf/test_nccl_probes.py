@@ -13,6 +13,8 @@ from collections import Counter
 
 import pytest
 
+from recorder import Recorder, rows_of
+
 from ccld import events as ev
 from ccld.bpf import nccl
 from ccld.bpf.loader import bpf_available
@@ -77,8 +79,9 @@ def traced(tmp_path_factory):
     go = tmp_path_factory.mktemp("nccl") / "go"
     proc = subprocess.Popen([sys.executable, WORKLOAD, "--lib", lib, "--go-file", str(go)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    records = []
-    fam = nccl.NcclFamily(lambda kind, rec: records.append((kind, rec)))
+    rec = Recorder(nccl.NcclFamily.KINDS)
+    records = rec.recs
+    fam = nccl.NcclFamily(rec)
     try:
         line = _read_line(proc, "ready ", READY_TIMEOUT_S)
         ready = json.loads(line[len("ready "):])
@@ -215,10 +218,10 @@ def test_destroy_and_abort(traced):
 def test_translator_on_real_records(traced):
     ready, done, _, records, _ = traced
     out = []
-    tr = nccl.NcclTranslator(out.append)
+    tr = nccl.NcclTranslator(rows_of(out))
     tr.add_process(ready["pid"], rank=7, job="j")
-    for kind, rec in records:
-        tr(kind, rec)
+    for what, (rows, kinds) in records.drains:
+        tr.records(rows, kinds)
     name = f"j/nccl:handle-{ready['comm']:x}"  # the init failed, so the handle was never named
     inits = [e for e in out if isinstance(e, ev.CommInit)]
     assert [(e.comm, e.handle, e.group_rank) for e in inits] == [(name, ready["comm"], -1)]

@@ -96,10 +96,14 @@ def test_connection_bytes_calls_tuple_and_close_are_exact(fams):
     assert first.rank == 7 and first.state == "ESTABLISHED" and not first.closed
     assert first.srtt_us > 0 and first.cwnd > 0 and first.last_tx_ns <= first.ts_ns
     assert last.closed and last.state == "CLOSE" and last.tx_bytes == 23000
-    # The closed connection is gone from the kernel map: another drain reports nothing more for it.
+    # The closed connection is gone from the kernel map: another drain reports nothing more for it, and
+    # its bit left the socket filter (others' ACKs hashing there do not look it up).
     got.clear()
     drain(fams)
     assert [e for e in got if e.KIND == "link"] == []
+    net = fams["net"][0]
+    assert len(list(net.bpf[b"conns"].items())) == 0
+    assert all(v.value == 0 for v in net.bpf[b"sock_bits"].values())
 
 
 def test_a_reset_from_the_peer_is_counted(fams):
@@ -160,6 +164,13 @@ def test_runqueue_wait_of_a_rank_sharing_its_cpu_with_a_hog(fams):
             p.kill()
     st = {e.rank: e for e in got if e.KIND == "sched"}
     hogged, asleep = st[3], st[4]
+    # Their threads exited: gone from the program's thread table and bitmap (a tid reused by another
+    # process's thread is not counted for them).
+    sched = fams["sched"][0]
+    gone = {rank.pid, sleeper.pid}
+    assert not [k.value for k, t in sched.bpf[b"threads"].items() if t.tgid in gone]
+    words = {k.value: v.value for k, v in sched.bpf[b"thread_bits"].items() if v.value}
+    assert not [p for p in gone if words.get(p >> 6, 0) & (1 << (p & 63))]
     # Two busy loops share one CPU: the rank waits for it about half the time.
     assert hogged.runq_ns > 0.2 * wall * 1e9 and hogged.runq_waits > 10 and hogged.runq_max_ns > 0
     assert asleep.offcpu_ns >= 0.9e9 and asleep.runq_ns < hogged.runq_ns

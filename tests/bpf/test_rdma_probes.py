@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from recorder import Recorder
+
 from ccld import events as ev
 from ccld.bpf import rdma
 from ccld.bpf.loader import bpf_available
@@ -76,8 +78,9 @@ def traced(tmp_path_factory):
     go = tmp_path_factory.mktemp("rdma") / "go"
     proc = subprocess.Popen([sys.executable, WORKLOAD, "--go-file", str(go)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    records = []
-    fam = rdma.RdmaFamily(lambda kind, rec: records.append((kind, rec)))
+    rec = Recorder(rdma.RdmaFamily.KINDS)
+    records = rec.recs
+    fam = rdma.RdmaFamily(rec)
     try:
         ready = json.loads(_read_line(proc, "ready ", READY_TIMEOUT_S)[len("ready "):])
         assert ready["pid"] == proc.pid
@@ -159,8 +162,8 @@ def test_translator_on_real_records(traced):
     out = []
     tr = rdma.RdmaTranslator(out.append)
     tr.add_process(ready["pid"], rank=5, job="j")
-    for kind, rec in records:
-        tr(kind, rec)
+    for what, (rows, kinds) in records.drains:
+        tr.records(rows, kinds)
     assert tr.unmatched == 0
     assert all(isinstance(e, ev.QpInfo) and e.pid == ready["pid"] and e.rank == 5 for e in out)
     got = [(e.call, e.qp_num, e.state, e.dest_qp_num, e.dgid, e.dlid, e.port) for e in out]

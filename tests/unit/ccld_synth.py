@@ -74,6 +74,57 @@ class SynthJob:
         self._put(r, ev.WorkEnd(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), comm=self.comm, seq=seq, ok=ok,
                                 error="" if ok else "boom"))
 
+    def post(self, r: int, op: str, peer: int, n: int, t: float, comm: Optional[str] = None, nbytes: int = 4096) -> None:
+        """Rank r posts its n-th `op` ("send"/"recv") with group rank `peer` (the default group: global)."""
+        self._put(r, ev.P2P(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), backend="gloo", comm=comm or self.comm,
+                            op=op, peer=peer, seq=n, nbytes=nbytes))
+
+    def p2p_end(self, r: int, op: str, peer: int, n: int, t: float, comm: Optional[str] = None,
+                ok: bool = True) -> None:
+        self._put(r, ev.P2PEnd(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), comm=comm or self.comm, op=op,
+                               peer=peer, seq=n, ok=ok, error="" if ok else "boom"))
+
+    def transfer(self, src: int, dst: int, n: int, t: float, send_at: Optional[float] = None,
+                 recv_at: Optional[float] = None, dur: float = 0.001) -> float:
+        """The n-th transfer src -> dst: src posts at send_at, dst at recv_at (both default t); both
+        sides are over `dur` after the later post. Returns that end time."""
+        s_at = t if send_at is None else send_at
+        r_at = t if recv_at is None else recv_at
+        end = max(s_at, r_at) + dur
+        self.post(src, "send", dst, n, s_at)
+        self.post(dst, "recv", src, n, r_at)
+        self.p2p_end(src, "send", dst, n, end)
+        self.p2p_end(dst, "recv", src, n, end)
+        return end
+
+    def pipeline(self, steps: int, t: float, first_seq: int = 1, stage_ms: float = 5.0,
+                 slow: Optional[Dict[int, float]] = None, first_n: int = 1,
+                 link_ms: Optional[Dict[tuple, float]] = None) -> float:
+        """`steps` steps of a one-micro-batch pipeline over every rank (stage = rank), then a loss
+        all-reduce (seq first_seq + step): stage r > 0 posts its recv from r-1 at the step's start,
+        computes stage_ms (+ slow[r]) once its input came, sends to r+1 (the n-th transfer, from
+        `first_n`) and enters the all-reduce, where it waits for the last stage. A transfer takes 1 ms,
+        plus link_ms[(r, r + 1)]. Returns the end."""
+        slow, link_ms = slow or {}, link_ms or {}
+        for i in range(steps):
+            seq, n = first_seq + i, first_n + i
+            ready = t
+            enters = {}
+            for r in range(self.world):
+                done = ready + (stage_ms + slow.get(r, 0.0)) / 1e3
+                if r + 1 < self.world:
+                    ready = self.transfer(r, r + 1, n, done, recv_at=t,
+                                          dur=0.001 + link_ms.get((r, r + 1), 0.0) / 1e3)
+                enters[r] = ready if r + 1 < self.world else done
+            for r, at in enters.items():
+                self.enter(r, seq, at)
+            last = max(enters.values())
+            for r in range(self.world):
+                self.start(r, seq, last)
+                self.end(r, seq, last + 0.0005)
+            t = last + 0.001
+        return t
+
     def state(self, r: int, t: float, state: str, wchan: str = "", cpu_ns: int = 0) -> None:
         self._put(r, ev.RankState(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), state=state, wchan=wchan,
                                   cpu_ns=cpu_ns))

@@ -1,18 +1,26 @@
-"""The ctypes mirrors match the C records, and records.decode turns bad records into reasons.
+"""The ctypes mirrors match the C records; the batch decoding (records.Kinds: a drain's rows checked
+and read as numpy arrays) equals the record-by-record decoding it replaced, and names bad records'
+reasons the same way.
 
 For each BPF source, every `_Static_assert(sizeof(struct NAME) == EXPR, ...)` is read from the C text,
 EXPR is evaluated with the `#define` defaults the source (and common.h) set, and the Python mirror
-must have that size, the same field names in the same order, and the same size per field. No root.
+must have that size, the same field names in the same order, and the same size per field; every
+record fits the family's slot (CCLD_REC_SIZE). No root. The same equality on records the kernel
+wrote: tests/bpf (test_gloo_batch.py, and the nccl/rdma probe tests' recorder).
 """
 import ast
 import ctypes as ct
 import operator
 import os
 import re
+import struct
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ccld.bpf import gloo, nccl, records
+from ccld.bpf import gloo, nccl, rdma, records
 from ccld.bpf.loader import BPF_DIR
 
 pytestmark = pytest.mark.unit
@@ -21,8 +29,8 @@ pytestmark = pytest.mark.unit
 MIRRORS = {
     "common.h": {"ccld_hdr": records.Header},
     "gloo.bpf.c": {"gloo_pg_init": gloo.PgInit, "gloo_work_init": gloo.WorkInit,
-                   "gloo_work_ev": gloo.WorkEv, "gloo_p2p": gloo.P2pRec, "gloo_work_size": gloo.WorkSize,
-                   "gloo_pair_fail": gloo.PairFail},
+                   "gloo_work_start": gloo.WorkStart, "gloo_work_end": gloo.WorkEnd, "gloo_p2p": gloo.P2pRec,
+                   "gloo_pair_fail": gloo.PairFail, "gloo_p2p_end": gloo.P2pEnd, "gloo_enter_of": gloo.EnterOf},
     "nccl.bpf.c": {"nccl_call": nccl.NcclCall, "nccl_group": nccl.NcclGroup,
                    "nccl_comm_init": nccl.NcclCommInit, "nccl_comm_end": nccl.NcclCommEnd},
 }
@@ -30,13 +38,14 @@ MIRRORS = {
 KIND_NAMES = {
     "gloo.bpf.c": ("gloo_kind", {"GLOO_PG_INIT": gloo.PG_INIT, "GLOO_WORK_INIT": gloo.WORK_INIT,
                                  "GLOO_WORK_START": gloo.WORK_START, "GLOO_WORK_END": gloo.WORK_END,
-                                 "GLOO_P2P": gloo.P2P_REC, "GLOO_WORK_SIZE": gloo.WORK_SIZE,
-                                 "GLOO_PAIR_FAIL": gloo.PAIR_FAIL}),
+                                 "GLOO_P2P": gloo.P2P_REC, "GLOO_PAIR_FAIL": gloo.PAIR_FAIL,
+                                 "GLOO_P2P_END": gloo.P2P_END}),
     "nccl.bpf.c": ("nccl_kind", {"NCCL_COLL": nccl.COLL, "NCCL_P2P": nccl.P2P_REC, "NCCL_GROUP": nccl.GROUP,
                                  "NCCL_COMM_INIT": nccl.COMM_INIT, "NCCL_COMM_END": nccl.COMM_END}),
 }
+FAMILIES = {"gloo.bpf.c": gloo.GlooFamily, "nccl.bpf.c": nccl.NcclFamily, "rdma.bpf.c": rdma.RdmaFamily}
 C_TYPE_BYTES = {"u8": 1, "s8": 1, "char": 1, "u16": 2, "s16": 2, "u32": 4, "s32": 4, "u64": 8, "s64": 8,
-                "struct ccld_hdr": 24}
+                "struct ccld_hdr": 24, "struct gloo_enter_of": 32}
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 
@@ -108,6 +117,16 @@ def test_mirrors_match_static_asserts(source):
         assert py_fields == c_fields, f"{source}: struct {cname} fields differ from {cls.__name__}"
 
 
+@pytest.mark.parametrize("source", sorted(FAMILIES))
+def test_every_record_fits_the_familys_slot(source):
+    common, text = _source("common.h"), _source(source)
+    defs = _defines(common, text)
+    kinds = FAMILIES[source].KINDS
+    assert _eval("CCLD_REC_SIZE", defs) == kinds.rec_size, f"{source}: CCLD_REC_SIZE differs from the loader's"
+    assert kinds.rec_size % 8 == 0
+    assert max(ct.sizeof(c) for c in kinds.classes.values()) == kinds.rec_size  # no slot bigger than needed
+
+
 @pytest.mark.parametrize("source", ["gloo.bpf.c", "nccl.bpf.c"])
 def test_kind_numbers_match(source):
     enum, names = KIND_NAMES[source]
@@ -131,7 +150,23 @@ def test_eval_handles_defines_and_arithmetic():
         _eval("1 << 2", defs)  # anything beyond + - * / is refused, not guessed
 
 
-# -- records.decode -------------------------------------------------------------------------------
+# -- the batch decoding against the record-by-record one ----------------------------------------
+
+def decode_one(data: bytes, kinds: dict):
+    """(kind, record) or (None, reason): the per-record decoding the agent used before its batch path
+    (ccld/bpf/records.py until issue 16), kept here as the reference."""
+    if len(data) < records.HEADER_SIZE:
+        return None, "short"
+    kind, version, size = struct.unpack_from("=HHI", data)
+    if version != records.REC_VERSION:
+        return None, "version"
+    cls = kinds.get(kind)
+    if cls is None:
+        return None, "unknown-kind"
+    if size != ct.sizeof(cls) or len(data) < ct.sizeof(cls):
+        return None, "size"
+    return kind, cls.from_buffer_copy(data)
+
 
 def _raw(cls, kind: int, version: int = records.REC_VERSION, size=None) -> bytes:
     rec = cls()
@@ -141,44 +176,92 @@ def _raw(cls, kind: int, version: int = records.REC_VERSION, size=None) -> bytes
     return bytes(rec)
 
 
-@pytest.mark.parametrize("family", [gloo.GlooFamily, nccl.NcclFamily])
-def test_decode_good_records(family):
-    for kind, cls in family.KINDS.items():
-        got_kind, rec = records.decode(_raw(cls, kind), family.KINDS)
-        assert got_kind == kind and isinstance(rec, cls)
-        assert (rec.hdr.ts_ns, rec.hdr.tgid, rec.hdr.tid) == (123456789, 42, 43)
+def _rows(raws, rec_size):
+    return np.frombuffer(b"".join(r.ljust(rec_size, b"\0")[:rec_size] for r in raws), np.uint8).reshape(
+        len(raws), rec_size).copy()
 
 
-def test_decode_reads_fields():
-    r = nccl.NcclCall()
-    r.hdr.kind, r.hdr.version, r.hdr.size = nccl.COLL, records.REC_VERSION, ct.sizeof(r)
-    r.comm, r.count, r.datatype, r.root = 0xDEADBEEF, 1001, 7, -1
-    kind, rec = records.decode(bytes(r) + b"\0" * 8, nccl.NcclFamily.KINDS)  # ring buffer padding is fine
-    assert (kind, rec.comm, rec.count, rec.datatype, rec.root) == (nccl.COLL, 0xDEADBEEF, 1001, 7, -1)
+def _values(x):
+    """A ctypes or numpy field value in a comparable form."""
+    if isinstance(x, (bytes, np.bytes_)):
+        return bytes(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if hasattr(x, "_length_"):  # a ctypes array
+        return list(x)
+    return int(x)
 
 
-@pytest.mark.parametrize("data", [b"", b"\x01", bytes(records.HEADER_SIZE - 1)], ids=["empty", "1", "23"])
-def test_decode_short(data):
-    assert records.decode(data, nccl.NcclFamily.KINDS) == (None, "short")
+def _same_fields(cls, rec, row):
+    if cls is records.Header:
+        for h, _ in records.Header._fields_:
+            assert int(getattr(rec, h)) == int(row[h]), ("hdr", h)
+        return
+    for name, ctype in cls._fields_:
+        if isinstance(ctype, type) and issubclass(ctype, ct.Structure):  # the header, or another nested struct
+            _same_fields(ctype, getattr(rec, name), row[name])
+        elif issubclass(ctype, ct.Array) and ctype._type_ is ct.c_char:  # both read up to the first NUL
+            assert getattr(rec, name) == bytes(row[name]).split(b"\0", 1)[0], (cls.__name__, name)
+        else:
+            assert _values(getattr(rec, name)) == _values(row[name]), (cls.__name__, name)
 
 
-def test_decode_unknown_kind():
-    assert records.decode(_raw(nccl.NcclCall, 99), nccl.NcclFamily.KINDS) == (None, "unknown-kind")
-    assert records.decode(_raw(nccl.NcclCall, 0), nccl.NcclFamily.KINDS) == (None, "unknown-kind")
+@pytest.mark.parametrize("family", sorted(FAMILIES.values(), key=lambda f: f.NAME), ids=lambda f: f.NAME)
+def test_good_records_read_alike(family):
+    kinds = family.KINDS
+    raws = [_raw(cls, kind) for kind, cls in kinds.classes.items()]
+    bad: dict = {}
+    good, got_kinds = kinds.check(_rows(raws, kinds.rec_size), bad)
+    assert bad == {} and got_kinds.tolist() == list(kinds.classes)
+    for kind, cls in kinds.classes.items():
+        (row,) = kinds.of(good, got_kinds, kind)
+        want_kind, rec = decode_one(_raw(cls, kind), kinds.classes)
+        assert want_kind == kind
+        _same_fields(cls, rec, row)
 
 
-@pytest.mark.parametrize("version", [0, records.REC_VERSION + 1, 0xFFFF])
-def test_decode_bad_version(version):
-    assert records.decode(_raw(nccl.NcclCall, nccl.COLL, version=version),
-                          nccl.NcclFamily.KINDS) == (None, "version")
+def _slot(draw, kinds):
+    """One slot's bytes: a record of a random kind with random contents, sometimes damaged."""
+    kind = draw(st.sampled_from(sorted(kinds.classes) + [0, 99]))
+    cls = kinds.classes.get(kind, nccl.NcclGroup)
+    size = ct.sizeof(cls)
+    body = bytearray(draw(st.binary(min_size=kinds.rec_size, max_size=kinds.rec_size)))
+    version = draw(st.sampled_from([records.REC_VERSION] * 6 + [0, 2]))
+    hsize = draw(st.sampled_from([size] * 6 + [size - 8, size + 8]))
+    struct.pack_into("=HHI", body, 0, kind, version, hsize)
+    return bytes(body)
 
 
-def test_decode_bad_size():
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_random_drains_decode_as_record_by_record(data):
+    """Counts (good and bad, by reason) and every field of every good record: the batch decoding of a
+    drain equals the decoding of its records one at a time."""
+    family = data.draw(st.sampled_from([gloo.GlooFamily, nccl.NcclFamily, rdma.RdmaFamily]))
+    kinds = family.KINDS
+    raws = [_slot(data.draw, kinds) for _ in range(data.draw(st.integers(0, 40)))]
+    bad: dict = {}
+    good, got_kinds = kinds.check(_rows(raws, kinds.rec_size) if raws else np.zeros((0, kinds.rec_size), np.uint8), bad)
+    want, want_bad = [], {}
+    for raw in raws:
+        k, rec = decode_one(raw, kinds.classes)
+        if k is None:
+            want_bad[rec] = want_bad.get(rec, 0) + 1
+        else:
+            want.append((k, rec))
+    assert bad == want_bad
+    assert got_kinds.tolist() == [k for k, _ in want]
+    for (k, rec), row in zip(want, good):
+        _same_fields(kinds.classes[k], rec, records.view(row.reshape(1, -1), kinds.dtypes[k])[0])
+
+
+def test_bad_records_are_counted_by_reason():
     kinds = nccl.NcclFamily.KINDS
     size = ct.sizeof(nccl.NcclCall)
-    assert records.decode(_raw(nccl.NcclCall, nccl.COLL, size=size - 8), kinds) == (None, "size")
-    assert records.decode(_raw(nccl.NcclCall, nccl.COLL, size=size + 8), kinds) == (None, "size")
-    # header says the right size but the bytes stop early
-    assert records.decode(_raw(nccl.NcclCall, nccl.COLL)[:size - 1], kinds) == (None, "size")
-    # a record of another kind's shape under this kind
-    assert records.decode(_raw(nccl.NcclGroup, nccl.COLL), kinds) == (None, "size")
+    raws = [_raw(nccl.NcclCall, 99), _raw(nccl.NcclCall, 0), _raw(nccl.NcclCall, nccl.COLL, version=0),
+            _raw(nccl.NcclCall, nccl.COLL, version=0xFFFF), _raw(nccl.NcclCall, nccl.COLL, size=size - 8),
+            _raw(nccl.NcclCall, nccl.COLL, size=size + 8), _raw(nccl.NcclGroup, nccl.COLL),
+            _raw(nccl.NcclCall, nccl.COLL)]
+    bad: dict = {}
+    good, got = kinds.check(_rows(raws, kinds.rec_size), bad)
+    assert bad == {"unknown-kind": 2, "version": 2, "size": 3} and got.tolist() == [nccl.COLL]

@@ -17,13 +17,14 @@ ONE_OF_EACH = [
                 libs={"libtorch_cpu.so": "/x/libtorch_cpu.so"}),
     ev.RankExit(pid=100, rank=3, ts_ns=12, reason="killed by SIGKILL"),
     ev.RankState(pid=100, rank=3, ts_ns=13, state="S", wchan="futex_wait_queue", cpu_ns=123456),
-    ev.CommInit(pid=100, rank=3, ts_ns=14, backend="gloo", comm="j/gloo:0", group_rank=3, group_size=4, handle=99),
+    ev.CommInit(pid=100, rank=3, ts_ns=14, backend="gloo", comm="j/gloo:0", group_rank=3, group_size=4, handle=99,
+                seq_source="library"),
     ev.CollEnter(pid=100, rank=3, ts_ns=15, backend="gloo", comm="j/gloo:0", seq=57, op="allreduce", tid=101,
-                 count=4096, dtype="float32", root=-1, nbytes=16384),
+                 count=4096, dtype="float32", root=-1, nbytes=16384, lib_seq=59),
     ev.WorkStart(pid=100, rank=3, ts_ns=16, comm="j/gloo:0", seq=57),
     ev.WorkEnd(pid=100, rank=3, ts_ns=17, comm="j/gloo:0", seq=57, ok=False, error="timeout"),
     ev.P2P(pid=100, rank=3, ts_ns=18, backend="gloo", comm="j/gloo:0", op="send", peer=0, tag=5, count=8,
-           dtype="float32"),
+           dtype="float32", seq=4, nbytes=32, lib_seq=60),
     ev.ProbeStatus(pid=100, family="gloo", ok=True, ts_ns=19, target="/x/libtorch_cpu.so", attached=12,
                    message="ok"),
     ev.LossCounters(ts_ns=20, counters={"ringbuf_lost": 3, "queue_dropped": 0}),
@@ -43,6 +44,8 @@ ONE_OF_EACH = [
     ev.GpuLoss(pid=100, rank=3, ts_ns=29, counters={"cupti_dropped": 5, "queue_dropped": 0}),
     ev.ClockSync(ts_ns=30, ref_ns=29, offset_ns=-3_000_000_000, drift_ppb=-25_000, uncertainty_ns=41_000,
                  rtt_min_ns=80_000, residual_ns=1_000, samples=30, epoch=7),
+    ev.P2PEnd(pid=100, rank=3, ts_ns=19, comm="j/gloo:0", op="send", peer=0, seq=4, ok=False, error="x",
+              wait_ns=18),
 ]
 
 

@@ -63,9 +63,9 @@ def outcome(frame):
     assert len(batch.errors) <= ev.MAX_ERRORS_KEPT
     for err in batch.errors:
         msg = str(err)
-        assert "event #" in msg and len(msg) < MAX_MESSAGE, msg[:200]
+        assert ("event #" in msg or "block #" in msg) and len(msg) < MAX_MESSAGE, msg[:200]  # names which
         if err.reason in ("missing-field", "bad-field"):
-            assert "field '" in msg, msg  # names the field
+            assert "field '" in msg or "column '" in msg, msg  # names the field (a block's: its column)
     # the ingest path counts the same frame once, either way
     c = IngestCounters()
     decode_frame(frame, c)

@@ -114,6 +114,21 @@ def test_a_hang_with_one_link_retransmitting_is_a_fault_of_that_link():
     assert f.seq == hangs[0].seq and f.evidence["hang_reason"] == "not-finished"
 
 
+def test_a_rank_that_never_entered_is_not_explained_by_a_retransmitting_link():
+    # Rank 2 is asleep before seq 61 (in no operation), the others wait in it; a link of the job
+    # happens to retransmit meanwhile. A link cannot keep a rank from entering: the hang stays its own.
+    tl, job, links = job_with_links()
+    end = job.steps(1, 60, T0 + 1, period=0.05)
+    job.collective(61, end + 0.01, ranks=[0, 1, 3], finish=False)
+    for i in range(8):
+        links.ring(end + 0.5 + i, nbytes=0 if i else 16384, retrans={(0, 1): 1})
+    now = end + 8
+    job.feed(tl, now)
+    hangs = hang.find_hangs(tl, now)
+    assert [(h.cls, h.ranks) for h in hangs] == [("not-entered", [2])]
+    assert dl.find_link_faults(tl, now, hangs) == []
+
+
 def test_retransmissions_everywhere_name_no_link():
     tl, now = hung_job(retrans={(r, (r + 1) % 4): 1 for r in range(4)})
     hangs = hang.find_hangs(tl, now)

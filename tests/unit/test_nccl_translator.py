@@ -3,10 +3,14 @@
 Successful inits cannot happen without a GPU, so these paths are driven with hand-made records
 (the BPF side of the same records is tested in tests/bpf/test_nccl_probes.py).
 """
+import ctypes as ct
+
+import numpy as np
 import pytest
 
 from ccld import events as ev
 from ccld.bpf import nccl
+from ccld.bpf.rows import Rows
 
 pytestmark = pytest.mark.unit
 
@@ -16,6 +20,7 @@ IDENT = nccl.unique_id_identity(UID)
 
 def _hdr(rec, kind, pid, ts):
     rec.hdr.kind, rec.hdr.tgid, rec.hdr.tid, rec.hdr.ts_ns = kind, pid, pid, ts
+    rec.hdr.version, rec.hdr.size = 1, ct.sizeof(rec)
     return rec
 
 
@@ -40,10 +45,15 @@ def end(pid, handle, fn=nccl.FN_DESTROY, ts=3):
     return nccl.COMM_END, _hdr(nccl.NcclCommEnd(comm=handle, fn=fn), nccl.COMM_END, pid, ts)
 
 
+class Out(list):
+    def __call__(self, item):
+        self.extend(item.events() if isinstance(item, Rows) else [item])
+
+
 @pytest.fixture
 def tr():
-    out = []
-    t = nccl.NcclTranslator(out.append)
+    out = Out()
+    t = nccl.NcclTranslator(out)
     t.out = out
     t.add_process(100, rank=0, job="job")
     t.add_process(200, rank=1, job="job")
@@ -51,8 +61,13 @@ def tr():
 
 
 def feed(t, *recs):
-    for kind, rec in recs:
-        t(kind, rec)
+    """The records as one drain, as the ring buffer hands them over."""
+    size = nccl.NcclFamily.KINDS.rec_size
+    raw = b"".join(bytes(rec).ljust(size, b"\0") for _, rec in recs)
+    rows = np.frombuffer(raw, np.uint8).reshape(len(recs), size).copy()
+    good, kinds = nccl.NcclFamily.KINDS.check(rows, {})
+    assert len(good) == len(recs)
+    t.records(good, kinds)
 
 
 def of(t, cls):

@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 
+import numpy as np
 import pytest
 
 from ccld.bpf import elfver, rdma, records
@@ -56,7 +57,7 @@ def test_kind_numbers_and_constants_match():
         "RDMA_QP_CREATE": rdma.QP_CREATE, "RDMA_QP_MODIFY": rdma.QP_MODIFY, "RDMA_QP_DESTROY": rdma.QP_DESTROY}
     defs = _defines(text)
     assert int(defs["CCLD_DEV_NAME_LEN"]) == rdma.DEV_NAME_LEN
-    assert set(rdma.RdmaFamily.KINDS) == {rdma.QP_CREATE, rdma.QP_MODIFY, rdma.QP_DESTROY}
+    assert set(rdma.RdmaFamily.KINDS.classes) == {rdma.QP_CREATE, rdma.QP_MODIFY, rdma.QP_DESTROY}
 
 
 def test_abi_offsets_match_verbs_h(tmp_path):
@@ -90,9 +91,11 @@ def _rec(cls, kind, tgid=42, ts=1000, **fields):
             ct.memmove(ct.addressof(r) + type(r).dgid.offset, v, 16)
         else:
             setattr(r, k, v)
-    got = records.decode(bytes(r), rdma.RdmaFamily.KINDS)
-    assert got[0] == kind
-    return got[1]
+    kinds = rdma.RdmaFamily.KINDS
+    row = np.frombuffer(bytes(r).ljust(kinds.rec_size, b"\0"), np.uint8).reshape(1, kinds.rec_size).copy()
+    good, got = kinds.check(row, {})
+    assert got.tolist() == [kind]
+    return kinds.record(good[0])
 
 
 def _modify(**kw):

@@ -70,7 +70,7 @@ def test_noisy_healthy_runs_are_never_comp_slow():
 
 def test_a_rank_late_every_step_is_named_with_its_lag():
     job, tl, t, _ = run(seconds=20, late={2: 0.050})
-    (f,) = Diagnoser(tl).find_slow(t)
+    (f,) = held(Diagnoser(tl), t)
     assert (f.kind, f.cls, f.ranks, f.op, f.seq, f.comm) == ("slow", "comp-slow", [2], "allreduce", -1, "job/gloo:0")
     (d,) = f.evidence["ranks"]
     assert d["rank"] == 2 and d["median_lag_s"] == pytest.approx(0.050, abs=0.006)
@@ -104,38 +104,38 @@ def test_one_off_and_rare_lateness_are_not_findings():
     job, tl, t, seq = run(seconds=5)
     end = job.collective(seq, t, late={0: 2.0})
     job, tl, t, _ = run(seconds=20, job=job, tl=tl, t0=end + 0.01, seq0=seq + 1)
-    assert comp_slow(Diagnoser(tl).find_slow(t)) == []
+    assert comp_slow(held(Diagnoser(tl), t)) == []
     # rank 3 late by 100 ms every 10th step only (an occasional GC)
     job, tl, t, _ = run(seconds=40, late={3: 0.100}, every=10)
-    assert comp_slow(Diagnoser(tl).find_slow(t)) == []
+    assert comp_slow(held(Diagnoser(tl), t)) == []
 
 
 def test_a_small_lag_on_a_long_step_is_not_worth_a_finding():
     # 6 ms late every step, but a step takes 1.5 s: the others wait < 1 % of the time
     job, tl, t, _ = run(seconds=120, late={2: 0.006}, step_s=1.5, noise=0.0005, spikes=0)
-    assert comp_slow(Diagnoser(tl).find_slow(t)) == []
+    assert comp_slow(held(Diagnoser(tl), t)) == []
     # the same lag on a short step is (others wait ~10 % of the time)
     job, tl, t, _ = run(seconds=30, late={2: 0.006}, step_s=0.03, noise=0.0005, spikes=0)
-    assert comp_slow(Diagnoser(tl).find_slow(t))[0].ranks == [2]
+    assert comp_slow(held(Diagnoser(tl), t))[0].ranks == [2]
 
 
 def test_cpu_contention_is_told_by_the_runqueue():
     job, tl, t, _ = run(seconds=20, late={2: 0.030}, sched={2: 0.35})
-    (f,) = comp_slow(Diagnoser(tl).find_slow(t))
+    (f,) = comp_slow(held(Diagnoser(tl), t))
     (d,) = f.evidence["ranks"]
     assert d["cause"] == "cpu-contended" and d["runq_share"] == pytest.approx(0.35, abs=0.05)
     assert "wait for a CPU 0.35 s per s" in d["cause_text"]
     # the same lateness with a quiet runqueue is not blamed on contention
     job, tl, t, _ = run(seconds=20, late={2: 0.030}, sched={})
-    (f,) = comp_slow(Diagnoser(tl).find_slow(t))
+    (f,) = comp_slow(held(Diagnoser(tl), t))
     assert f.evidence["ranks"][0]["cause"] == "busy-compute"
 
 
 def test_two_rank_job_and_several_late_ranks_of_many():
     job, tl, t, _ = run(seconds=20, world=2, late={1: 0.030}, noise=0.001)
-    assert [f.ranks for f in comp_slow(Diagnoser(tl).find_slow(t))] == [[1]]
+    assert [f.ranks for f in comp_slow(held(Diagnoser(tl), t))] == [[1]]
     job, tl, t, _ = run(seconds=20, world=64, late={5: 0.040, 40: 0.030}, noise=0.001, feed_every=20)
-    (f,) = comp_slow(Diagnoser(tl).find_slow(t))
+    (f,) = comp_slow(held(Diagnoser(tl), t))
     assert f.ranks == [5, 40] and [d["rank"] for d in f.evidence["ranks"]] == [5, 40]
 
 
@@ -157,6 +157,13 @@ def test_lifecycle_open_update_and_recover():
     assert [r["class"] for r in rec] == ["comp-slow"] and rec[0]["id"] == ch.new[0].id
 
 
+def held(d, t):
+    """find_slow at `t` after a first look COMM_SLOW_HOLD_S earlier: comm-slow findings are held."""
+    from ccld.diagnose import COMM_SLOW_HOLD_S
+    d.find_slow(t - COMM_SLOW_HOLD_S)
+    return d.find_slow(t)
+
+
 def test_comp_and_comm_slow_on_one_comm_are_mixed_slow(monkeypatch):
     job, tl, t, _ = run(seconds=20, late={2: 0.050})
 
@@ -165,7 +172,7 @@ def test_comp_and_comm_slow_on_one_comm_are_mixed_slow(monkeypatch):
                         op="allreduce", onset_at=now - 5, detected_at=now, job="job",
                         evidence={"slowdown": 4.0, "summary": "link 0->1 rtt 25 ms"})]
     monkeypatch.setattr(links, "find_comm_slow", fake_comm_slow)
-    (f,) = Diagnoser(tl).find_slow(t)
+    (f,) = held(Diagnoser(tl), t)
     assert (f.cls, f.ranks, f.link) == ("mixed-slow", [0, 1, 2], [0, 1])
     assert f.evidence["comp_ranks"] == [2] and f.evidence["comm_ranks"] == [0, 1]
     assert f.evidence["comm"]["slowdown"] == 4.0 and f.evidence["comp"]["reason"] == "late-arrival"
@@ -173,7 +180,7 @@ def test_comp_and_comm_slow_on_one_comm_are_mixed_slow(monkeypatch):
     monkeypatch.setattr(links, "find_comm_slow", lambda tl_, now: [
         Finding(kind="slow", cls="comm-slow", ranks=[], comm="job/gloo:7", seq=-1, op="allreduce",
                 onset_at=now, detected_at=now, job="job")])
-    assert sorted(f.cls for f in Diagnoser(tl).find_slow(t)) == ["comm-slow", "comp-slow"]
+    assert sorted(f.cls for f in held(Diagnoser(tl), t)) == ["comm-slow", "comp-slow"]
 
 
 def test_summaries_kept_between_ticks_give_the_same_answer_as_a_fresh_look():
@@ -206,13 +213,13 @@ def test_a_comm_slow_caused_by_one_ranks_cpu_is_that_ranks_comp_slow(monkeypatch
                         op="allreduce", onset_at=t - 10, detected_at=t, job="job",
                         evidence={"slowdown": 3.5, "localised_by": "rtt"})
     monkeypatch.setattr(links, "find_comm_slow", lambda tl_, now: [slow_link])
-    (f,) = Diagnoser(tl).find_slow(t)
+    (f,) = held(Diagnoser(tl), t)
     assert (f.cls, f.ranks, f.link) == ("comp-slow", [3], None)
     assert f.evidence["reason"] == "cpu-contended-inside" and f.evidence["link"] == [1, 3]
     assert f.evidence["comm_slow"]["localised_by"] == "rtt" and f.evidence["ranks"][0]["cause"] == "cpu-contended"
     # every rank equally contended (a busy host): the link finding stands
     job, tl, t, _ = run(seconds=20, sched={r: 0.4 for r in range(4)})
-    assert [g.cls for g in Diagnoser(tl).find_slow(t)] == ["comm-slow"]
+    assert [g.cls for g in held(Diagnoser(tl), t)] == ["comm-slow"]
 
 
 def test_a_late_cpu_contended_rank_whose_own_link_is_slow_is_one_comp_slow(monkeypatch):
@@ -222,10 +229,23 @@ def test_a_late_cpu_contended_rank_whose_own_link_is_slow_is_one_comp_slow(monke
     monkeypatch.setattr(links, "find_comm_slow", lambda tl_, now: [
         Finding(kind="slow", cls="comm-slow", ranks=[1, 2], link=[1, 2], comm="job/gloo:0", seq=-1, op="allreduce",
                 onset_at=now - 5, detected_at=now, job="job", evidence={"slowdown": 5.0})])
-    (f,) = Diagnoser(tl).find_slow(t)
+    (f,) = held(Diagnoser(tl), t)
     assert (f.cls, f.ranks) == ("comp-slow", [2]) and f.evidence["comm_slow_link"] == [1, 2]
     assert f.evidence["ranks"][0]["cause"] == "cpu-contended" and "transfers are slow too" in f.evidence["note"]
     # the same late rank and slow link, but its CPU no busier than the others': two things, mixed-slow
     job, tl, t, _ = run(seconds=20, late={2: 0.030}, sched={0: 0.05, 1: 0.05, 2: 0.05, 3: 0.05})
-    (f,) = Diagnoser(tl).find_slow(t)
+    (f,) = held(Diagnoser(tl), t)
     assert (f.cls, f.ranks, f.link) == ("mixed-slow", [1, 2], [1, 2])
+
+
+def test_a_comm_slow_is_held_before_it_is_reported(monkeypatch):
+    """A link that slows because one rank's CPU is starved shows in the link metrics first: comm-slow
+    waits COMM_SLOW_HOLD_S, so the late rank's comp-slow (which folds the link in) comes first."""
+    from ccld.diagnose import COMM_SLOW_HOLD_S
+    job, tl, t, _ = run(seconds=20)
+    monkeypatch.setattr(links, "find_comm_slow", lambda tl_, now: [
+        Finding(kind="slow", cls="comm-slow", ranks=[0, 1], link=[0, 1], comm="job/gloo:0", seq=-1, op="allreduce",
+                onset_at=now - 1, detected_at=now, job="job", evidence={"slowdown": 4.0})])
+    d = Diagnoser(tl)
+    assert d.find_slow(t) == [] and d.find_slow(t + COMM_SLOW_HOLD_S / 2) == []
+    assert [f.cls for f in d.find_slow(t + COMM_SLOW_HOLD_S)] == ["comm-slow"]

@@ -1,0 +1,86 @@
+"""The compiled-program cache (ccld/bpf/progcache.py): a program taken from it is the program bcc
+compiles (same functions, same instructions once map fds are set aside), it loads and works, and a
+cache file anyone else could have written is not used. Needs root (it loads programs)."""
+import base64
+import os
+import struct
+
+import pytest
+
+from ccld.bpf import progcache
+
+pytestmark = pytest.mark.bpf
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch, need_bpf):
+    d = tmp_path / "cache"
+    monkeypatch.setenv(progcache.ENV_DIR, str(d))
+    return d
+
+
+def without_fds(spec):
+    """Each function's instructions with the map fds of its relocations zeroed."""
+    out = {}
+    for f in spec["functions"]:
+        code = bytearray(base64.b64decode(f["code"]))
+        for k, _ in f["relocs"]:
+            struct.pack_into("<i", code, k * progcache.INSN + 4, 0)
+        out[f["name"]] = bytes(code)
+    return out
+
+
+def test_a_cached_program_is_the_compiled_one_and_works(cache):
+    from ccld.bpf.gloo import GlooFamily, GlooTranslator
+    first = GlooFamily(GlooTranslator(lambda e: None))
+    first.load()
+    assert not first.from_cache
+    compiled = progcache.describe(first.bpf)
+    first.close()
+    (path,) = os.listdir(cache)
+    again = GlooFamily(GlooTranslator(lambda e: None))
+    again.load()
+    try:
+        assert again.from_cache
+        assert without_fds(progcache.describe_cached(again.bpf)) == without_fds(compiled)
+        traced = again.bpf[b"traced"]  # maps work as bcc's: update, read, delete
+        import ctypes as ct
+        traced[ct.c_uint32(4242)] = ct.c_uint32(7)
+        assert traced[ct.c_uint32(4242)].value == 7
+        del traced[ct.c_uint32(4242)]
+        assert again.lost() == 0 and again.ring.pending() == 0
+        for name in ("work_init", "work_exec", "api_enter"):  # and the kernel accepts the functions
+            assert again.bpf.load_func(name.encode(), 2).fd >= 0
+    finally:
+        again.close()
+
+
+def test_a_cache_file_others_could_write_is_not_used(cache):
+    from ccld.bpf.sched import SchedFamily, SchedTranslator
+    fam = SchedFamily(SchedTranslator(lambda e: None))
+    fam.load()
+    fam.close()
+    (path,) = os.listdir(cache)
+    os.chmod(cache / path, 0o666)
+    fam = SchedFamily(SchedTranslator(lambda e: None))
+    fam.load()
+    try:
+        assert not fam.from_cache  # compiled again (and the file replaced by a private one)
+        assert oct((cache / path).stat().st_mode & 0o777) == "0o600"
+    finally:
+        fam.close()
+
+
+def test_a_damaged_cache_file_is_compiled_again(cache):
+    from ccld.bpf.sched import SchedFamily, SchedTranslator
+    fam = SchedFamily(SchedTranslator(lambda e: None))
+    fam.load()
+    fam.close()
+    (path,) = os.listdir(cache)
+    (cache / path).write_text('{"format": 1, "tables": [], "functions": [{"name": "x"')
+    fam = SchedFamily(SchedTranslator(lambda e: None))
+    fam.load()
+    try:
+        assert not fam.from_cache
+    finally:
+        fam.close()

@@ -1,0 +1,128 @@
+"""Blocked time and the own-work slowdown detector, on synthetic pipelines (stage = rank) and DDP-style
+jobs: a stage whose compute grows is named alone (the stages after it wait in recv, the ones before
+it in the loss all-reduce); a batch-size change that grows every stage's work names nobody; a
+healthy pipeline names nobody; the baseline holds while the slowdown lasts; blocked time of one
+rank counts overlapping intervals once.
+"""
+import pytest
+
+from ccld.collector.blocked import BUCKET_S, BlockedTable
+from ccld.collector.timeline import Timeline
+from ccld.diagnose import Diagnoser, busy
+
+from ccld_synth import T0, SynthJob
+
+pytestmark = pytest.mark.unit
+
+
+def test_blocked_time_counts_overlaps_once_and_windows_are_snapshot_differences():
+    import collections
+    t = BlockedTable(collections.Counter())
+    base = 1000 * BUCKET_S
+    t.add("j", 0, base - 1.0, base - 0.5)
+    rows = t.job("j")
+    rows.snapshot(base - 0.1)                   # bucket 999: the first snapshot
+    t.add("j", 1, base + 0.5, base + 1.0)
+    t.add("j", 1, base + 0.8, base + 1.2)       # overlaps the first by 0.2 s: counted once
+    t.add("j", 1, base + 0.9, base + 1.1)       # inside what is counted: nothing
+    t.add("j", 0, base + 1.9, base + 1.95)      # ends come in any order: an earlier one after
+    t.add("j", 0, base + 1.0, base + 1.5)
+    rows.snapshot(base + BUCKET_S - 0.01)       # bucket 1000
+    got = rows.window(1000, 1000)
+    assert got[1] == pytest.approx(0.7 / BUCKET_S) and got[0] == pytest.approx(0.55 / BUCKET_S)
+    assert rows.window(999, 1000) is None       # before the first snapshot: unknown, not zero
+    rows.snapshot(base + 6 * BUCKET_S)          # buckets without a tick: nothing seen to end in them
+    assert list(rows.window(1001, 1006)[:2]) == [0.0, 0.0]
+    t.add("j", 0, 5.0, 4.0)                     # an end before its start: dropped, counted
+    assert t.anomalies["blocked-interval-dropped"] == 1
+
+
+def run(steps_before=1800, steps_after=700, slow=None, slow_all=None, stage_ms=10.0):
+    """A 4-stage pipeline: `steps_before` healthy steps, then `steps_after` with stage compute grown
+    (slow: {rank: extra ms}; slow_all: extra ms on every stage); detection ticks every 0.5 s."""
+    job, tl = SynthJob(world=4), Timeline()
+    job.announce(T0)
+    t = T0 + 1
+    d = Diagnoser(tl)
+    found, feed_every = [], 0.5
+    next_feed = t + feed_every
+    fault_at = None
+    for i in range(steps_before + steps_after):
+        if i == steps_before:
+            fault_at = t
+        extra = {}
+        if i >= steps_before:
+            extra = dict(slow or {})
+            if slow_all:
+                extra = {r: slow_all for r in range(4)}
+        t = job.pipeline(1, t, first_seq=i + 1, first_n=i + 1, stage_ms=stage_ms, slow=extra)
+        if t >= next_feed:
+            job.feed(tl, t)
+            found += [(t, f) for f in d.find_slow(t)]
+            next_feed = t + feed_every
+    return found, fault_at, tl
+
+
+def test_a_stage_whose_compute_grew_is_named_alone():
+    found, fault_at, _ = run(slow={2: 15.0})
+    slow = [(t, f) for t, f in found if f.cls == "comp-slow" and not f.evidence.get("informational")]
+    assert slow, "no comp-slow finding"
+    first_t, f = slow[0]
+    assert f.ranks == [2] and f.evidence["reason"] == "own-work", f.evidence
+    assert first_t - fault_at <= 30.0, first_t - fault_at
+    assert all(g.ranks == [2] for _, g in slow)
+    (d,) = f.evidence["ranks"]
+    assert d["own_work_grew"] >= busy.MIN_DELTA and f.op == "p2p"
+    assert not [(t, g) for t, g in found if t < fault_at], "a finding before the fault"
+
+
+def test_every_stage_working_more_is_no_culprit():
+    """A bigger batch: every stage computes more; everyone's own work grows, nobody waits more."""
+    found, fault_at, _ = run(slow_all=10.0)
+    assert [f for _, f in found if not f.evidence.get("informational")] == []
+
+
+def test_a_healthy_pipeline_is_never_slow():
+    found, _, _ = run(steps_before=1500, steps_after=0)
+    assert found == []
+
+
+def test_the_baseline_holds_while_the_slowdown_lasts():
+    """Ten minutes of a slowed stage: still named at the end (its own slow normal is not learned)."""
+    found, fault_at, _ = run(steps_before=400, steps_after=3200, slow={1: 75.0}, stage_ms=50.0)
+    late = [f for t, f in found if t > fault_at + 300 and f.cls == "comp-slow"]
+    assert late and all(f.ranks == [1] for f in late)
+
+
+def run_link(steps_before=1800, steps_after=700, link_ms=None, stage_ms=10.0):
+    job, tl = SynthJob(world=4), Timeline()
+    job.announce(T0)
+    t = T0 + 1
+    d = Diagnoser(tl)
+    found, next_feed, fault_at = [], t + 0.5, None
+    for i in range(steps_before + steps_after):
+        if i == steps_before:
+            fault_at = t
+        t = job.pipeline(1, t, first_seq=i + 1, first_n=i + 1, stage_ms=stage_ms,
+                         link_ms=link_ms if i >= steps_before else None)
+        if t >= next_feed:
+            job.feed(tl, t)
+            found += [(t, f) for f in d.find_slow(t)]
+            next_feed = t + 0.5
+    return found, fault_at
+
+
+def test_a_slow_link_between_two_stages_is_comm_slow_on_that_link():
+    found, fault_at = run_link(link_ms={(1, 2): 20.0})
+    real = [(t, f) for t, f in found if not f.evidence.get("informational")]
+    assert real, "nothing found"
+    t, f = real[0]
+    assert (f.cls, f.ranks, f.link, f.op) == ("comm-slow", [1, 2], [1, 2], "p2p"), (f.cls, f.ranks, f.evidence)
+    assert t - fault_at <= 30 and f.evidence["reason"] == "p2p-transfers"
+    assert {(s["src"], s["dst"]) for s in f.evidence["streams"]} == {(1, 2)}
+    assert all((g.cls, g.link) == ("comm-slow", [1, 2]) for _, g in real), [(g.cls, g.ranks) for _, g in real]
+
+
+def test_every_link_slower_names_no_link():
+    found, _ = run_link(link_ms={(0, 1): 20.0, (1, 2): 20.0, (2, 3): 20.0})
+    assert [f for _, f in found if f.cls == "comm-slow"] == []
