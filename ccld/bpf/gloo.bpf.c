@@ -4,6 +4,12 @@
  * ccld/bpf/gloo.py for the mangled symbols):
  *   pg_init     ProcessGroupGloo::ProcessGroupGloo(store&, int rank, int size, options)
  *                 -> GLOO_PG_INIT {pg, rank, size}
+ *   pg_name     c10d::ProcessGroup::setGroupName(const std::string&), which c10d calls right after it
+ *                 built a group's backends -> GLOO_PG_NAME {the ProcessGroup, name}: the group's name
+ *                 is the same on every member and differs between groups ("0" for the world, then
+ *                 "1", "2", ... in new_group order, or a hash of the ranks), so it is what joins a
+ *                 subgroup across ranks; the translator gives it to the process's last gloo backend
+ *                 built (this ProcessGroup is the wrapper, not the ProcessGroupGloo the others name)
  *   api_enter   every ProcessGroupGloo collective API (allreduce, broadcast, barrier, ...), Python
  *                 thread -> remembers {pg, ts, c10d's collective counter as it stands} (no record)
  *   work_init   AsyncWork::AsyncWork(context, outputs, OpType op, u64 seq, ms timeout, ...), right
@@ -96,6 +102,9 @@
 #ifndef CCLD_MAX_WORKS
 #define CCLD_MAX_WORKS 65536  /* collectives entered and not ended, all processes: a handful each */
 #endif
+#ifndef CCLD_NAME_LEN
+#define CCLD_NAME_LEN 64  /* group names: "0", "1", ... or 40 hex digits (a hash of the ranks) */
+#endif
 #ifndef CCLD_MAX_GROUPS
 #define CCLD_MAX_GROUPS 65536 /* (process, process group) pairs: tens per process */
 #endif
@@ -108,6 +117,7 @@ enum gloo_kind {
     GLOO_P2P = 5,
     GLOO_PAIR_FAIL = 7,
     GLOO_P2P_END = 8,
+    GLOO_PG_NAME = 9,
 };
 
 /* c10d::OpType values the program needs (torch/csrc/distributed/c10d/Work.hpp) */
@@ -121,6 +131,15 @@ struct gloo_pg_init {
     s32 size;
 };
 _Static_assert(sizeof(struct gloo_pg_init) == 40, "gloo_pg_init");
+
+struct gloo_pg_name {
+    struct ccld_hdr hdr;
+    u64 pg;        /* the c10d::ProcessGroup being named (the wrapper of the gloo backend) */
+    u32 len;       /* the name's length; name holds its first CCLD_NAME_LEN - 1 bytes */
+    u32 pad;
+    char name[CCLD_NAME_LEN];
+};
+_Static_assert(sizeof(struct gloo_pg_name) == 40 + CCLD_NAME_LEN, "gloo_pg_name");
 
 /* The three records of a collective start alike: pg, work, seq at offsets 24, 32, 40 (user space reads
  * them through one view). A start and an end also carry what their enter had (from `works`), and
@@ -308,6 +327,25 @@ int pg_init(struct pt_regs *ctx)
     r->pg = PT_REGS_PARM1(ctx);
     r->rank = (s32)PT_REGS_PARM3(ctx);
     r->size = (s32)PT_REGS_PARM4(ctx);
+    events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
+    return 0;
+}
+
+/* setGroupName(this, const std::string& name): libstdc++'s string is {char *data; size_t len; ...}. */
+int pg_name(struct pt_regs *ctx)
+{
+    if (ccld_untraced())
+        return 0;
+    struct gloo_pg_name *r = events.ringbuf_reserve(CCLD_REC_SIZE);
+    CCLD_FILL_OR_LOST(r, GLOO_PG_NAME);
+    r->pg = PT_REGS_PARM1(ctx);
+    r->pad = 0;
+    u64 str[2] = {0, 0};
+    bpf_probe_read_user(str, sizeof(str), (void *)PT_REGS_PARM2(ctx));
+    r->len = str[1] > 0xffffffffULL ? 0xffffffffU : (u32)str[1];
+    r->name[0] = 0;
+    if (str[0])
+        bpf_probe_read_user_str(r->name, sizeof(r->name), (void *)str[0]);
     events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);
     return 0;
 }

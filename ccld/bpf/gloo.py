@@ -32,9 +32,14 @@ first such peer since the process's last successful collective is named in the e
 failed WorkEnd: "...; connection to group rank N broke: <gloo's message>" (LOST_RE reads it back).
 A rank killed inside a collective is the one its peers' errors name.
 
-Caveat: communicators are named `<job>/gloo:<k>`, k = order in which the process built its gloo
-groups. Every rank builds the default group first, so it always matches; subgroups match as long as
-ranks build the groups they belong to in the same order (torch's new_group requires that).
+Communicators are named `<job>/gloo:<name>`, name = c10d's group name (setGroupName, right after the
+group is built: "0" for the world, then "1", "2", ... in new_group order, or a hash of the ranks),
+the same on every member and different between groups. Ranks of a 2 x 2 tensor-parallel job build
+different groups in the same place ({0,1} and {2,3} are each one rank's second group), so an order
+of creation alone would join unrelated groups. Caveat: a group built before we attached, or by a
+c10d without setGroupName, has no name we saw: it is named `<job>/gloo:<k>`, k = the order in which
+the process built (or first used) its gloo groups; right for the world group, and for subgroups only
+when every rank belongs to the same ones (a job attached mid-run with tp x dp groups is not).
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ from ccld.bpf.records import Header
 from ccld.bpf.rows import KIND_COLL, KIND_END, KIND_START, Builder, Groups, group_keys
 
 ERR_LEN = 160
+NAME_LEN = 64   # CCLD_NAME_LEN in gloo.bpf.c
 REC_SIZE = 200  # CCLD_REC_SIZE in gloo.bpf.c: every record's slot (gloo_pair_fail, the largest)
 
 # c10d::OpType (torch/csrc/distributed/c10d/Work.hpp)
@@ -63,7 +69,7 @@ OP_NAMES = {
     19: "reduce_scatter_tensor_coalesced", 100: "unknown",
 }
 
-PG_INIT, WORK_INIT, WORK_START, WORK_END, P2P_REC, PAIR_FAIL, P2P_END = 1, 2, 3, 4, 5, 7, 8
+PG_INIT, WORK_INIT, WORK_START, WORK_END, P2P_REC, PAIR_FAIL, P2P_END, PG_NAME = 1, 2, 3, 4, 5, 7, 8, 9
 P2P_OPS = {12: "send", 13: "recv", 14: "recvanysource"}  # c10d::OpType
 
 # Ops whose ranks must all pass the same tensor bytes and whose buffers c10d hands to one of gloo's
@@ -78,6 +84,11 @@ HOLD_MS = 200  # longest an enter waits for its size: gloo's worker normally tak
 
 class PgInit(ct.Structure):
     _fields_ = [("hdr", Header), ("pg", ct.c_uint64), ("rank", ct.c_int32), ("size", ct.c_int32)]
+
+
+class PgName(ct.Structure):
+    _fields_ = [("hdr", Header), ("pg", ct.c_uint64), ("len", ct.c_uint32), ("pad", ct.c_uint32),
+                ("name", ct.c_char * NAME_LEN)]
 
 
 class WorkInit(ct.Structure):
@@ -125,7 +136,7 @@ class HotHead(ct.Structure):
 
 
 KINDS = records.Kinds({PG_INIT: PgInit, WORK_INIT: WorkInit, WORK_START: WorkStart, WORK_END: WorkEnd,
-                       P2P_REC: P2pRec, PAIR_FAIL: PairFail, P2P_END: P2pEnd}, REC_SIZE)
+                       P2P_REC: P2pRec, PAIR_FAIL: PairFail, P2P_END: P2pEnd, PG_NAME: PgName}, REC_SIZE)
 HOT_HEAD = records.record_dtype(HotHead, REC_SIZE)
 HOT_KINDS = (WORK_INIT, WORK_START, WORK_END)
 _SIZED_AT = WorkStart.sized.offset   # byte of a start that says whether an algorithm entry sized it
@@ -178,6 +189,8 @@ class GlooFamily(Family):
     KINDS = KINDS
     PROBES = (
         [Probe(_PGG + "C1E", "pg_init", True),          # C2 is an alias at the same address
+         # the group's name, which joins a subgroup across ranks; optional (without it: creation order)
+         Probe("_ZN4c10d12ProcessGroup12setGroupNameERKNSt7__cxx1112basic_string", "pg_name"),
          Probe(_AW + "C1E", "work_init", True),
          Probe(_AW + "7executeE", "work_exec", True),
          Probe(_AW + "14finishWorkGlooEv", "work_done", True),
@@ -233,6 +246,11 @@ class ProcState:
     rank: int
     job: str
     pgs: Dict[int, Tuple[str, int, int]] = field(default_factory=dict)  # pg ptr -> (comm, group_rank, size)
+    built: Dict[int, Tuple[int, int, int, int]] = field(default_factory=dict)  # pg ptr -> (index, group_rank,
+                                            # size, ts) of a group seen built and not yet named or used
+    unnamed: List[int] = field(default_factory=list)  # groups built since the last setGroupName: it names
+                                            # the first (TORCH_DISTRIBUTED_DEBUG=DETAIL builds a helper
+                                            # gloo group after the group's own backend)
     codes: Dict[int, int] = field(default_factory=dict)  # pg ptr -> its comm's index in GlooTranslator.comms
     lost: Optional[Tuple[int, str]] = None  # first broken connection since the last good end: (peer, message)
     next_index: int = 0
@@ -644,19 +662,34 @@ class GlooTranslator:
             out.one(KIND_START, self._group(KIND_START, h.comm), h.seq, h.pid, h.rank, h.start_ns)
 
     # -- communicators and the rare records ------------------------------------------------------
-    def _comm_for(self, out: Builder, pid: int, st: ProcState, pg: int, ts: int, group_rank=-1, size=-1) -> int:
-        known = st.pgs.get(pg)
-        if known is not None and group_rank < 0:
-            return st.codes[pg]
-        comm = known[0] if known else f"{st.job}/gloo:{st.next_index}"
-        if not known:
-            st.next_index += 1
-        st.pgs[pg] = (comm, group_rank, size)
+    def _comm_for(self, out: Builder, pid: int, st: ProcState, pg: int, ts: int) -> int:
+        """The code of group `pg` at its first use: named already, else by its order of creation (seen
+        built and never named) or, not seen built (attached mid-run), of first use."""
         code = st.codes.get(pg)
-        if code is None:
-            code = st.codes[pg] = len(self.comms)
-            self.comms.append(comm)
+        if code is not None:
+            return code
+        built = st.built.pop(pg, None)
+        if built is not None:
+            index, group_rank, size, _ = built
+            return self._named(out, pid, st, pg, f"{st.job}/gloo:{index}", group_rank, size, ts)
+        st.next_index += 1
+        return self._named(out, pid, st, pg, f"{st.job}/gloo:{st.next_index - 1}", -1, -1, ts)
+
+    def _built(self, st: ProcState, pg: int, group_rank: int, size: int, ts: int) -> None:
+        """A gloo group built (PG_INIT): named by the setGroupName that follows, or at its first use."""
+        if st.codes.pop(pg, None) is not None:  # an address a destroyed group had: a new group
+            st.pgs.pop(pg, None)
             self._tables()
+        st.built[pg] = (st.next_index, group_rank, size, ts)
+        st.next_index += 1
+        st.unnamed.append(pg)
+
+    def _named(self, out: Builder, pid: int, st: ProcState, pg: int, comm: str, group_rank: int, size: int,
+               ts: int) -> int:
+        st.pgs[pg] = (comm, group_rank, size)
+        code = st.codes[pg] = len(self.comms)
+        self.comms.append(comm)
+        self._tables()
         # Seen at its creation (PG_INIT: group_rank known) -> every count here starts with the group's.
         source = (ev.SEQ_LIBRARY if st.tags else ev.SEQ_FROM_INIT) if group_rank >= 0 else \
             (ev.SEQ_LIBRARY if st.tags else ev.SEQ_FROM_ATTACH)
@@ -669,7 +702,16 @@ class GlooTranslator:
         st = self.procs[pid]
         ts = rec.hdr.ts_ns
         if kind == PG_INIT:
-            self._comm_for(out, pid, st, rec.pg, ts, rec.rank, rec.size)
+            self._built(st, rec.pg, rec.rank, rec.size, ts)
+        elif kind == PG_NAME:
+            # c10d names a group right after building its backends, on the same thread
+            pg = next((g for g in st.unnamed if g in st.built), None)
+            st.unnamed.clear()
+            if pg is None:
+                return  # a group of another backend (NCCL), or one whose gloo backend we did not see built
+            index, group_rank, size, _ = st.built.pop(pg)
+            name = rec.name.decode("utf-8", "replace") or str(index)
+            self._named(out, pid, st, pg, f"{st.job}/gloo:{name}", group_rank, size, ts)
         elif kind == PAIR_FAIL:
             if st.lost is None:  # the first one: later ones follow from it (the process group is broken)
                 st.lost = (rec.peer, gloo_message(rec.msg))

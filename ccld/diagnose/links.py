@@ -130,6 +130,28 @@ def _name(pairs: List[Tuple[int, int]]) -> Optional[Tuple[List[int], Optional[Li
     return None
 
 
+def chain_head(pairs: List[Tuple[int, int]]) -> Optional[Tuple[int, int]]:
+    """The last link of suspects that form one chain a->b, b->c, c->d (each one's receiver is the
+    next one's sender): the one whose receiver no suspect waits on. Queues back up behind a slow
+    link: when b->c crawls, b reads a's data late, a's sends sit in b's full receive buffer, and
+    a's RTT grows too (seen on a ring of 6 ranks with one shaped link: it went to 80x its baseline
+    and the two links feeding it to 14x and 20x). None unless every suspect leads to one head."""
+    following = {p[0]: p for p in pairs}
+    if len(following) != len(pairs):
+        return None  # a sender with two suspect links: a fan-out, not a chain
+    heads = [p for p in pairs if p[1] not in following]
+    if len(heads) != 1:
+        return None
+    for p in pairs:
+        for _ in range(len(pairs)):
+            if p == heads[0]:
+                break
+            p = following[p[1]]
+        else:
+            return None
+    return heads[0]
+
+
 def find_link_faults(tl: Timeline, now: float, hangs: List[Finding]) -> List[Finding]:
     """Hang findings refined to a link: a connection reset, or one that kept retransmitting while a
     collective that needs it is open. Returns findings that replace the `hangs` they explain."""
@@ -431,8 +453,9 @@ def localise(tl: Timeline, job: str, members: AbstractSet[int], since: float, no
 
     Returns Localised(suspects, named, how, window): the directed pairs (both ends in `members`)
     whose retransmissions or RTT left their own baseline by far more than the other pairs left
-    theirs; named = (ranks, link) when they are one link (ranks = its two ends, link = [src, dst])
-    or all share one rank (ranks = [it], link None), else None; how = "retransmissions" (tried
+    theirs; named = (ranks, link) when they are one link (ranks = its two ends, link = [src, dst]),
+    or all share one rank (ranks = [it], link None), or form one chain of links feeding each other
+    (the chain's last link, listed first in suspects: see chain_head), else None; how = "retransmissions" (tried
     first: loss is the stronger sign) or "rtt"; window = PairSummary per directed pair judged or
     compared with, over the span.
       reference        ranks whose pairs the suspects are compared with (default every rank of the
@@ -457,6 +480,10 @@ def localise(tl: Timeline, job: str, members: AbstractSet[int], since: float, no
     by_loss, by_rtt = retrans_suspects(win, baselines, judge), rtt_suspects(win, baselines, judge)
     for how, cand in (("retransmissions", by_loss), ("rtt", by_rtt)):
         got = _name(sorted(cand)) if cand else None
+        if got is None and len(cand) > 1:
+            head = chain_head(cand)
+            if head is not None:  # the others are backed up behind it: named alone, listed first
+                return Localised([head] + sorted(p for p in cand if p != head), _name([head]), how, win)
         if got is not None:
             return Localised(sorted(cand), got, how, win)
     return Localised(sorted(by_loss or by_rtt), None, None, win)
@@ -530,7 +557,8 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         active = [s.srtt_mean_us for s in win.values() if s.tx_bytes > 0 and s.srtt_mean_us > 0]
         summary = f"{level / base:.0f}x slower ({level * 1e3:.1f} vs {base * 1e3:.1f} ms)" if base > 0 else "slower"
         if named is not None:
-            top = max(suspects, key=lambda p: (win[p].retrans, win[p].srtt_mean_us))
+            top = (tuple(link) if link is not None and tuple(link) in win
+                   else max(suspects, key=lambda p: (win[p].retrans, win[p].srtt_mean_us)))
             t, b = win[top], baselines.get(top)
             if localised_by == "retransmissions":
                 summary += f", {t.retrans} retransmissions in {t.seconds} s"
@@ -549,7 +577,7 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
             "links_slow_since": round(st.episode, 6) if st.episode is not None else None,
             "links_baseline_before": round(st.episode - BASELINE_GUARD_S, 6) if st.episode is not None else None,
             "localised_by": localised_by,
-            "pairs": [_judged_evidence(p, win[p], baselines.get(p)) for p in sorted(suspects)],
+            "pairs": [_judged_evidence(p, win[p], baselines.get(p)) for p in suspects],
             "job_median_rtt_us": round(statistics.median(active), 1) if active else None,
             "note": None if named else ("no link stands out: no link metrics for this job, or every pair "
                                         "departed from its own baseline alike" if not suspects

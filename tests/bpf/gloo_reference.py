@@ -18,7 +18,7 @@ from ccld import events as ev
 from ccld.bpf import gloo
 from ccld.bpf.gloo import HOLD_MS, OP_NAMES, P2P_OPS, SIZED_OPS, gloo_message
 
-PG_INIT, WORK_INIT, WORK_START, WORK_END, P2P_REC, WORK_SIZE, PAIR_FAIL, P2P_END = 1, 2, 3, 4, 5, 6, 7, 8
+PG_INIT, WORK_INIT, WORK_START, WORK_END, P2P_REC, WORK_SIZE, PAIR_FAIL, P2P_END, PG_NAME = 1, 2, 3, 4, 5, 6, 7, 8, 9
 
 
 def _hdr(h, ts=None):
@@ -50,6 +50,8 @@ class ProcState:
     rank: int
     job: str
     pgs: Dict[int, Tuple[str, int, int]] = field(default_factory=dict)  # pg ptr -> (comm, group_rank, size)
+    built: Dict[int, Tuple[int, int, int]] = field(default_factory=dict)  # pg ptr -> (index, group_rank, size)
+    unnamed: list = field(default_factory=list)  # built since the last setGroupName (it names the first)
     works: Dict[int, Tuple[str, int]] = field(default_factory=dict)    # work ptr -> (comm, seq)
     held: Dict[int, "Held"] = field(default_factory=dict)              # work ptr -> enter waiting for its size
     lost: Optional[Tuple[int, str]] = None  # first broken connection since the last good end: (peer, message)
@@ -122,13 +124,18 @@ class ReferenceTranslator:
         if h.start_ns is not None:
             self.emit(ev.WorkStart(pid=pid, rank=st.rank, ts_ns=h.start_ns, comm=h.enter["comm"], seq=h.enter["seq"]))
 
-    def _comm_for(self, pid: int, st: ProcState, pg: int, ts: int, group_rank=-1, size=-1) -> str:
+    def _comm_for(self, pid: int, st: ProcState, pg: int, ts: int) -> str:
+        """A group at its first use: its name, else its order of creation, else of first use."""
         known = st.pgs.get(pg)
-        if known is not None and group_rank < 0:
+        if known is not None:
             return known[0]
-        comm = known[0] if known else f"{st.job}/gloo:{st.next_index}"
-        if not known:
-            st.next_index += 1
+        built = st.built.pop(pg, None)
+        if built is not None:
+            return self._named(pid, st, pg, f"{st.job}/gloo:{built[0]}", built[1], built[2], ts)
+        st.next_index += 1
+        return self._named(pid, st, pg, f"{st.job}/gloo:{st.next_index - 1}", -1, -1, ts)
+
+    def _named(self, pid: int, st: ProcState, pg: int, comm: str, group_rank: int, size: int, ts: int) -> str:
         st.pgs[pg] = (comm, group_rank, size)
         # Seen at its creation (PG_INIT: group_rank known) -> every count here starts with the group's.
         source = (ev.SEQ_LIBRARY if st.tags else ev.SEQ_FROM_INIT) if group_rank >= 0 else \
@@ -150,7 +157,17 @@ class ReferenceTranslator:
             return  # a process we were told to forget; its probes are being detached
         ts = rec.hdr.ts_ns
         if kind == PG_INIT:
-            self._comm_for(pid, st, rec.pg, ts, rec.rank, rec.size)
+            st.pgs.pop(rec.pg, None)  # an address a destroyed group had: a new group
+            st.built[rec.pg] = (st.next_index, rec.rank, rec.size)
+            st.next_index += 1
+            st.unnamed.append(rec.pg)
+        elif kind == PG_NAME:
+            pg = next((g for g in st.unnamed if g in st.built), None)
+            st.unnamed.clear()
+            if pg is not None:
+                index, group_rank, size = st.built.pop(pg)
+                name = rec.name.decode("utf-8", "replace") or str(index)
+                self._named(pid, st, pg, f"{st.job}/gloo:{name}", group_rank, size, ts)
         elif kind == WORK_INIT:
             op = OP_NAMES.get(rec.op, f"op{rec.op}")
             if op in ("send", "recv", "recvanysource"):

@@ -142,6 +142,9 @@ class Kernel:
     def pg_init(self, pid, pg, rank, size):
         self._rec(gloo.PgInit, gloo.PG_INIT, pid, pid, pg=pg, rank=rank, size=size)
 
+    def pg_name(self, pid, name):
+        self._rec(gloo.PgName, gloo.PG_NAME, pid, pid, pg=0x9000, len=len(name), name=name)
+
     def pair_fail(self, pid, peer):
         self._rec(gloo.PairFail, gloo.PAIR_FAIL, pid, pid + 2, pair=0x77, peer=peer,
                   msg=b"[pair.cc:1] Read error [127.0.0.1]:4000: Connection reset by peer")
@@ -159,6 +162,8 @@ def run_program(draw):
         for i, pg in enumerate(pgs[p]):
             if draw(st.integers(0, 4)):  # mostly seen at creation
                 k.pg_init(p, pg, 0, 2)
+                if draw(st.integers(0, 3)):  # and named (c10d's setGroupName), mostly
+                    k.pg_name(p, str(i).encode())
     queue = {p: [] for p in pids}      # entered works not executed yet
     running = {p: None for p in pids}  # the work the worker runs
     free = {p: [0xA0, 0xB0, 0xC0] for p in pids}
@@ -167,7 +172,7 @@ def run_program(draw):
     for _ in range(draw(st.integers(5, 70))):
         p = draw(st.sampled_from(pids))
         act = draw(st.sampled_from(["enter"] * 4 + ["exec"] * 3 + ["algo"] * 3 + ["finish"] * 3 +
-                                   ["cut", "cut", "stray", "pgnew", "fail", "noapi"]))
+                                   ["cut", "cut", "stray", "pgnew", "fail", "noapi", "name"]))
         if act in ("enter", "noapi") and free[p]:
             w = free[p].pop(0) if draw(st.integers(0, 9)) else free[p][0]  # sometimes reused while in flight
             pg = draw(st.sampled_from(pgs[p]))
@@ -202,6 +207,8 @@ def run_program(draw):
             pg = 0x1000 * (len(pgs[p]) + 1)
             pgs[p].append(pg)
             k.pg_init(p, pg, 1, 2)
+        elif act == "name":  # a name with nothing (or a group already used) pending, or a helper's second
+            k.pg_name(p, draw(st.sampled_from([b"7", b"", b"a" * 63])))
         elif act == "fail":
             k.pair_fail(p, draw(st.integers(-1, 1)))
         elif act == "cut":

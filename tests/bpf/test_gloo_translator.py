@@ -78,13 +78,18 @@ def end(ts, ok=1, work=WORK, seq=7, start_ns=0, found=1, releases=1, op=1, enter
                                              enter_ns if enter_ns is not None else 100 * MS - 5, seq + 10))
 
 
+def pg_name(ts, name):
+    """c10d's setGroupName on the group's ProcessGroup (another object than the gloo backend)."""
+    return rec(gloo.PgName, gloo.PG_NAME, ts, pg=0x9000, len=len(name), name=name)
+
+
 @pytest.fixture
 def tr():
     out = Out()
     t = gloo.GlooTranslator(out)
     t.out = out
     t.add_process(PID, RANK, "job")
-    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4))
+    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4), pg_name(2, b"0"))
     out.clear()
     return t
 
@@ -232,7 +237,7 @@ def test_p2p_ops_are_numbered_per_direction_and_peer_and_their_ends_follow():
     t = gloo.GlooTranslator(out)
     t.add_process(PID, RANK, "job")
     t.tags_readable(PID, True)
-    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4))
+    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4), pg_name(2, b"0"))
     (init_ev,) = out
     assert init_ev.seq_source == "library"
     out.clear()
@@ -257,8 +262,44 @@ def test_seq_source_says_whether_counting_began_with_the_group():
     t = gloo.GlooTranslator(out)
     t.add_process(PID, RANK, "job")
     drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4),  # seen at creation
-          rec(gloo.WorkInit, gloo.WORK_INIT, 2, pg=PG + 1, work=WORK, seq=3, tag=-1, op=15, enter_ns=1))
-    assert [(e.KIND, e.seq_source) for e in out if e.KIND == "comm"] == [("comm", "counted"), ("comm", "attach")]
+          rec(gloo.WorkInit, gloo.WORK_INIT, 2, pg=PG + 1, work=WORK, seq=3, tag=-1, op=15, enter_ns=1),
+          rec(gloo.WorkInit, gloo.WORK_INIT, 3, pg=PG, work=WORK + 1, seq=1, tag=-1, op=15, enter_ns=3))
+    assert [(e.KIND, e.comm, e.seq_source) for e in out if e.KIND == "comm"] == \
+        [("comm", "job/gloo:1", "attach"), ("comm", "job/gloo:0", "counted")]
+
+
+def test_subgroups_are_named_by_c10ds_group_name_not_by_the_order_they_were_built():
+    # A 2 x 2 tensor-parallel job: ranks 0 and 1 share group "1", ranks 2 and 3 group "2"; each
+    # rank builds the world first and its own tp group second. By order of building, rank 0's and
+    # rank 2's second groups would both be "gloo:1".
+    out = Out()
+    t = gloo.GlooTranslator(out)
+    for pid, rank in ((10, 0), (30, 2)):
+        t.add_process(pid, rank, "job")
+    recs = []
+    for pid, rank, mine in ((10, 0, b"1"), (30, 2, b"2")):
+        for pg, name, g_rank, size in ((PG, b"0", rank, 4), (PG + 0x100, mine, 0, 2)):
+            r = rec(gloo.PgInit, gloo.PG_INIT, 1, pg=pg, rank=g_rank, size=size)
+            n = pg_name(2, name)
+            r.hdr.tgid = n.hdr.tgid = pid
+            recs += [r, n]
+    drain(t, *recs)
+    assert [(e.pid, e.comm, e.group_rank, e.group_size, e.handle) for e in out if e.KIND == "comm"] == [
+        (10, "job/gloo:0", 0, 4, PG), (10, "job/gloo:1", 0, 2, PG + 0x100),
+        (30, "job/gloo:0", 2, 4, PG), (30, "job/gloo:2", 0, 2, PG + 0x100)]
+
+
+def test_a_name_goes_to_the_first_group_built_since_the_last_one():
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL: c10d builds the group's gloo backend, then a helper gloo group,
+    # then names the group. The helper keeps the order-of-building name; a name with nothing built
+    # since the last one (an NCCL group's) names nothing.
+    out = Out()
+    t = gloo.GlooTranslator(out)
+    t.add_process(PID, RANK, "job")
+    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4),
+          rec(gloo.PgInit, gloo.PG_INIT, 2, pg=PG + 1, rank=RANK, size=4), pg_name(3, b"5"), pg_name(4, b"6"),
+          rec(gloo.WorkInit, gloo.WORK_INIT, 5, pg=PG + 1, work=WORK, seq=3, tag=-1, op=15, enter_ns=5))
+    assert [(e.comm, e.handle) for e in out if e.KIND == "comm"] == [("job/gloo:5", PG), ("job/gloo:1", PG + 1)]
 
 
 def test_records_of_processes_not_traced_are_dropped(tr):

@@ -48,7 +48,9 @@ def wait_for(what, cond, timeout, mb):
         if any(p.poll() is not None for p in mb.agents + [mb.collector]):
             break
         time.sleep(0.5)
-    pytest.fail(f"timed out waiting for {what}\n{mb.logs()}")
+    found = [{k: x.get(k) for k in ("class", "ranks", "link", "evidence")} for x in mb.findings_list()]
+    pytest.fail(f"timed out waiting for {what}\nfindings (last 3): {json.dumps(found[-3:])[:6000]}\n"
+                f"{mb.logs(tail=600)}")
 
 
 def estimate_errors_ns(mb, stats):

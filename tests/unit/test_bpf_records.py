@@ -30,7 +30,8 @@ MIRRORS = {
     "common.h": {"ccld_hdr": records.Header},
     "gloo.bpf.c": {"gloo_pg_init": gloo.PgInit, "gloo_work_init": gloo.WorkInit,
                    "gloo_work_start": gloo.WorkStart, "gloo_work_end": gloo.WorkEnd, "gloo_p2p": gloo.P2pRec,
-                   "gloo_pair_fail": gloo.PairFail, "gloo_p2p_end": gloo.P2pEnd, "gloo_enter_of": gloo.EnterOf},
+                   "gloo_pair_fail": gloo.PairFail, "gloo_p2p_end": gloo.P2pEnd, "gloo_enter_of": gloo.EnterOf,
+                   "gloo_pg_name": gloo.PgName},
     "nccl.bpf.c": {"nccl_call": nccl.NcclCall, "nccl_group": nccl.NcclGroup,
                    "nccl_comm_init": nccl.NcclCommInit, "nccl_comm_end": nccl.NcclCommEnd},
 }
@@ -39,7 +40,7 @@ KIND_NAMES = {
     "gloo.bpf.c": ("gloo_kind", {"GLOO_PG_INIT": gloo.PG_INIT, "GLOO_WORK_INIT": gloo.WORK_INIT,
                                  "GLOO_WORK_START": gloo.WORK_START, "GLOO_WORK_END": gloo.WORK_END,
                                  "GLOO_P2P": gloo.P2P_REC, "GLOO_PAIR_FAIL": gloo.PAIR_FAIL,
-                                 "GLOO_P2P_END": gloo.P2P_END}),
+                                 "GLOO_P2P_END": gloo.P2P_END, "GLOO_PG_NAME": gloo.PG_NAME}),
     "nccl.bpf.c": ("nccl_kind", {"NCCL_COLL": nccl.COLL, "NCCL_P2P": nccl.P2P_REC, "NCCL_GROUP": nccl.GROUP,
                                  "NCCL_COMM_INIT": nccl.COMM_INIT, "NCCL_COMM_END": nccl.COMM_END}),
 }

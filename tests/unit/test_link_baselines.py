@@ -178,6 +178,33 @@ def test_localise_names_the_link_between_two_stages_against_the_jobs_other_links
     assert dl.localise(tl, "job", {1, 2}, now - 5, now, baseline_before=now + dl.BASELINE_GUARD_S).named is None
 
 
+def test_links_backed_up_behind_a_slow_one_do_not_hide_it():
+    # As seen on 3 simulated nodes (a ring of 6, one link between nodes shaped to 20 Mbit/s): the
+    # shaped link 3->4 went to 80x its baseline RTT, and the two links feeding it, 1->2 and 2->3, to
+    # 20x and 14x: their receivers read late, so their sends queue. Three suspects with no rank in
+    # common; the slow link is the chain's last one.
+    base = jitter(100, 0.1, seed=7)
+    backed = {(3, 4): 80, (2, 3): 14, (1, 2): 20}
+
+    def rtt(p, s, slow):
+        return backed.get(p, 1) * base(p, s, slow) if slow else base(p, s, slow)
+
+    found, _ = run(rtt, world=6)
+    f = named_link(found, 3, 4, "rtt")
+    assert f.link == [3, 4]
+    assert [(p["src"], p["dst"]) for p in f.evidence["pairs"]][0] == (3, 4)
+    assert f.evidence["pairs"][0]["rtt_x"] == max(p["rtt_x"] for p in f.evidence["pairs"])  # the summary's RTT is its
+
+
+def test_chain_head_is_the_link_no_suspect_waits_on():
+    assert dl.chain_head([(1, 2), (3, 4), (2, 3)]) == (3, 4)
+    assert dl.chain_head([(0, 1), (5, 0)]) == (0, 1)
+    assert dl.chain_head([(0, 1), (2, 3)]) is None            # two separate links: two heads
+    assert dl.chain_head([(0, 1), (1, 2), (2, 0)]) is None    # a cycle has no head
+    assert dl.chain_head([(0, 1), (0, 2), (1, 3)]) is None    # a fan-out is not a chain
+    assert dl.chain_head([(4, 5), (0, 1), (1, 2), (5, 0)]) == (1, 2)
+
+
 def test_pair_baselines_keep_to_their_cut_off_and_leave_out_excluded_spans():
     table = lk.LinkTable(__import__("collections").Counter())
     for i in range(20):
