@@ -146,8 +146,9 @@ def test_bad_on_line_and_no_store_do_not_stop_it(push, caplog):
         sock = push(col.endpoint)
         for f in job.frames(time.time()):
             sock.send(f)
-        assert wait_for(lambda: col.stats["internal_errors"] >= 1)
-        assert col.findings and col.findings[0].ranks == [1, 2, 3]
+        # on_line raises before the finding is kept (the file and the callback come first): wait for both
+        assert wait_for(lambda: col.stats["internal_errors"] >= 1 and col.findings)
+        assert col.findings[0].ranks == [1, 2, 3]
         for _ in range(3):
             sock.send(b"")
         assert wait_for(lambda: col.stats["frames_rejected"] == {"empty": 3})
