@@ -34,9 +34,10 @@ import msgpack
 from ccld.errors import CcldError
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 5  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync;
+SCHEMA_MINOR = 6  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync;
                   # 1.4 column blocks (blocks.py) for coll/start/end; the envelope's "resend" flag;
-                  # 1.5 p2p_end, P2P's seq/nbytes/lib_seq, CollEnter's lib_seq, CommInit's seq_source
+                  # 1.5 p2p_end, P2P's seq/nbytes/lib_seq, CollEnter's lib_seq, CommInit's seq_source;
+                  # 1.6 RankExit's exact
 # CommInit.seq_source: how a rank numbers `seq` (collectives) and P2P.seq on that communicator
 SEQ_LIBRARY = "library"      # the library's own collective counter (gloo: c10d's tag): exact, also mid-run
 SEQ_FROM_INIT = "counted"    # counted by the agent from the group's creation: exact
@@ -133,11 +134,15 @@ class RankInfo(Event):
 
 @dataclass(frozen=True)
 class RankExit(Event):
+    """A rank's process is gone (reason "exited"), or no longer traced ("agent stopped"). `exact`: ts_ns
+    is when its main thread exited, from the kernel (sched_process_exit); else when the agent found it
+    gone (its /proc scan: up to a scan interval late)."""
     KIND: ClassVar[str] = "rank_exit"
     pid: int
     rank: int
     ts_ns: int
     reason: str = "exited"
+    exact: bool = False
 
 
 @dataclass(frozen=True)

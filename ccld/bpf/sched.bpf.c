@@ -5,6 +5,10 @@
  *                            off-CPU starts) and another comes on (its wait ends)
  *   sched:sched_wakeup / sched:sched_wakeup_new   a blocked thread becomes runnable: off-CPU ends,
  *                            runqueue wait starts
+ *   sched:sched_process_exit a traced process's main thread exits: when the process died, to the ns
+ *                            (`exited`). The agent's /proc scan sees a death up to a scan later, and
+ *                            after a launcher stops the other ranks (torchrun: ~0.1 s after the first
+ *                            death) its scan times cannot tell which rank died first; these can.
  * The woken thread is not the current one in sched_wakeup, so threads are recognised by tid: a thread
  * of a traced process enters `threads` the first time it is switched out, and leaves at its last
  * switch, the one after it exited (prev_state EXIT_ZOMBIE or EXIT_DEAD): its tid may be anyone's next.
@@ -20,7 +24,8 @@
  * the running kernel; set and cleared by the agent, thread bits also here), traced (tgid -> its slot,
  * the agent's), threads (LRU tid -> its process, slot and the start of its current wait), stats
  * (per-CPU, per slot: cumulative runqueue ns, waits, off-CPU ns, switches), runq_max (per-CPU, per
- * slot: longest wait since the agent last reset it, every drain).
+ * slot: longest wait since the agent last reset it, every drain), exited (per slot: when the
+ * process's main thread exited, 0 while it lives; the agent zeroes a slot when it gives it out).
  * This is the evidence that separates "rank slow because its CPU is contended" from "its link is slow".
  * Minimum kernel: 4.x tracepoints; preemption is reported in prev_state as TASK_REPORT_MAX (0x100).
  */
@@ -59,6 +64,7 @@ BPF_HASH(traced, u32, u32, CCLD_MAX_PROCS);
 BPF_TABLE("lru_hash", u32, struct thread, threads, CCLD_MAX_THREADS);
 BPF_PERCPU_ARRAY(stats, struct sched_stats, CCLD_MAX_PROCS);
 BPF_PERCPU_ARRAY(runq_max, u64, CCLD_MAX_PROCS);
+BPF_ARRAY(exited, u64, CCLD_MAX_PROCS);
 
 static __always_inline int proc_on(u32 pid)
 {
@@ -180,4 +186,19 @@ TRACEPOINT_PROBE(sched, sched_wakeup)
 TRACEPOINT_PROBE(sched, sched_wakeup_new)
 {
     return on_wakeup(args->pid);
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if ((u32)id != tgid || !proc_on(tgid))
+        return 0;  /* another thread (a worker ending is no death), or not a traced process */
+    u32 *slot = traced.lookup(&tgid);
+    if (slot == NULL)
+        return 0;
+    u64 *at = exited.lookup(slot);
+    if (at)
+        *at = bpf_ktime_get_ns();
+    return 0;
 }

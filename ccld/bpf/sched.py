@@ -5,13 +5,15 @@ the agent reads its slot of `stats` (cumulative, one copy per CPU: added up here
 (longest wait since the last drain, per CPU: the largest is taken and the slot reset), and ships one
 SchedStats per traced process whose numbers moved: a few map reads per process, never per switch.
 Times are nanoseconds of CLOCK_MONOTONIC; the counters are cumulative from when the agent attached.
+`exit_ns(pid)` is when a traced process's main thread exited (sched_process_exit), for the agent's
+RankExit: a death timed by the kernel, not by the agent's next /proc scan.
 """
 from __future__ import annotations
 
 import ctypes as ct
 import time
 from types import SimpleNamespace
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -46,6 +48,7 @@ class SchedFamily(KernelFamily):
             zero = self.bpf[b"stats"].Leaf()  # a fresh slot: no counts of the process that had it
             self.bpf[b"stats"][ct.c_int(slot)] = zero
             self.bpf[b"runq_max"][ct.c_int(slot)] = self.bpf[b"runq_max"].Leaf()
+            self.bpf[b"exited"][ct.c_int(slot)] = ct.c_uint64(0)
         self.bpf[b"traced"][ct.c_uint32(pid)] = ct.c_uint32(self.slots[pid])
         set_bit(self.bpf[b"proc_bits"], pid, True, self.NAME)
 
@@ -69,6 +72,18 @@ class SchedFamily(KernelFamily):
                     set_bit(bits, tid, False, self.NAME)
         if slot is not None:
             self._free.append(slot)
+
+    def exit_ns(self, pid: int) -> Optional[int]:
+        """When traced process `pid`'s main thread exited (CLOCK_MONOTONIC ns), or None (alive, or
+        not traced, or it exited before its slot was given out)."""
+        slot = self.slots.get(pid)
+        if slot is None or self.bpf is None:
+            return None
+        try:
+            at = int(self.bpf[b"exited"][ct.c_int(slot)].value)
+        except (KeyError, OSError):
+            return None
+        return at or None
 
     def drain(self) -> None:
         """Every traced process's slot of the per-CPU sums, added up over the CPUs, and of the

@@ -62,6 +62,7 @@ class RankRecord:
     cpu_busy: Optional[float] = None  # CPU seconds per second between the last two RankStates
     exited_at: Optional[float] = None
     exit_reason: str = ""
+    exit_exact: bool = False  # exited_at is the kernel's time of the exit, not the agent's next scan
     last_event_at: Optional[float] = None
     last_p2p: Optional[Tuple[str, int, float]] = None  # (op, peer, at)
     # Scheduler (SchedStats, cumulative ns): waiting for a CPU while runnable, and off CPU while blocked.
@@ -490,7 +491,7 @@ class Timeline:
             return
         if isinstance(e, ev.RankExit):
             if rec is not None:
-                rec.exited_at, rec.exit_reason = t, e.reason
+                rec.exited_at, rec.exit_reason, rec.exit_exact = t, e.reason, e.exact
             return
         if rank < 0:
             self.anomalies["no-rank"] += 1  # neither the event nor a RankInfo says which rank this is

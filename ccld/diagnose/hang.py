@@ -64,6 +64,9 @@ NOTE_AFTER_S = 1.0    # waited-for ranks are sampled from this far into a wait (
 NOTE_MAX_RANKS = 64   # ... when at most this many are missing (a few ranks hold the others: the pause case)
 MAX_LISTED = 256      # ranks listed in one evidence field (waiting, finished, ...); its count is given too
 EXIT_TIE_S = 0.1      # exits seen this close together are one /proc scan of the agent's: not ordered
+EXACT_TIE_S = 0.002   # ... and, timed by the kernel (RankExit.exact), this close: killed together. A
+                      # launcher stops the survivors of a death after noticing it (torchrun polls its
+                      # workers every 0.1 s), so they exit milliseconds to a tenth of a second later
 RECENT_FAILED = 4     # newest collectives of a communicator searched for the first error of a fault
 
 
@@ -377,16 +380,19 @@ def died_first(tl: Timeline, comm: Comm, dead: List[int], since: Optional[float]
             out = [r for r in out if r not in alive_after]
             how["active_after_fault"] = listed(alive_after)
     if len(out) > 1:
-        exits = {}
+        exits, exact = {}, True
         for r in out:
             rec = tl.rank_record(comm.job, r)
             if rec is not None and rec.exited_at is not None:
                 exits[r] = rec.exited_at
+                exact &= rec.exit_exact
         if len(exits) == len(out):
             t0 = min(exits.values())
-            early = [r for r in out if exits[r] - t0 < EXIT_TIE_S]
+            tie = EXACT_TIE_S if exact else EXIT_TIE_S
+            early = [r for r in out if exits[r] - t0 < tie]
             if len(early) < len(out):
                 how["exited_later"] = listed(r for r in out if r not in early)
+                how["exit_times"] = "kernel" if exact else "agent scans"
                 out = early
     return sorted(out), how
 

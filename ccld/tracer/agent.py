@@ -255,8 +255,11 @@ class Agent:
         if self.cupti_sink is not None:  # before the ranks are forgotten: their pids still map to ranks
             self._poll_cupti(1 << 30)
             self.cupti_sink.close()
-        for pid in list(self.ranks):
-            self._forget(pid, reason="agent stopped", exited=False)
+        for pid in list(self.ranks):  # a last look: ranks that died since the last scan are exits, not
+            # ranks we stopped watching (`ccld run` stops us right after the job ends, and a rank killed
+            # there, then its peers stopped by the launcher, may all be gone within one scan)
+            dead = not discover.alive(pid)
+            self._forget(pid, reason="exited" if dead else "agent stopped", exited=dead)
         for fam, _ in self.families:
             fam.close()
         self.shipper.close()
@@ -388,11 +391,19 @@ class Agent:
         if r is None:
             return
         self._last_change = time.monotonic()
+        at = None
+        if exited:  # the kernel's time of the death where a family saw it (sched), before it forgets the pid
+            for fam, _ in self.families:
+                got = getattr(fam, "exit_ns", None)
+                at = got(pid) if got is not None else None
+                if at:
+                    break
         for fam, tr in self.families:
             fam.detach(pid)
             tr.forget(pid)
         if exited:
-            self.shipper.put(ev.RankExit(pid=pid, rank=r.ident.rank, ts_ns=time.monotonic_ns(), reason=reason))
+            self.shipper.put(ev.RankExit(pid=pid, rank=r.ident.rank, ts_ns=at or time.monotonic_ns(), reason=reason,
+                                         exact=bool(at)))
 
     def _announce(self) -> None:
         self.shipper.put(ev.AgentHello(agent=self.agent_id, node=self.node, pid=os.getpid(),

@@ -174,3 +174,33 @@ def test_runqueue_wait_of_a_rank_sharing_its_cpu_with_a_hog(fams):
     # Two busy loops share one CPU: the rank waits for it about half the time.
     assert hogged.runq_ns > 0.2 * wall * 1e9 and hogged.runq_waits > 10 and hogged.runq_max_ns > 0
     assert asleep.offcpu_ns >= 0.9e9 and asleep.runq_ns < hogged.runq_ns
+
+
+def test_a_traced_process_exit_is_timed_by_the_kernel(fams):
+    # Two traced processes with threads of their own; one is SIGKILLed, 50 ms later the other is
+    # SIGTERMed: each exit time is its main thread's (a worker thread ending is no death), in order.
+    import signal
+    fams, _ = fams
+    sched, _tr = fams["sched"]
+    code = "import threading, time\nthreading.Thread(target=time.sleep, args=(0.2,)).start()\ntime.sleep(60)"
+    kids = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    try:
+        for i, k in enumerate(kids):
+            trace({"sched": fams["sched"]}, k.pid, i)
+        time.sleep(0.5)  # the helper thread has ended: still no exit
+        assert [sched.exit_ns(k.pid) for k in kids] == [None, None]
+        t0 = time.monotonic_ns()
+        kids[0].send_signal(signal.SIGKILL)
+        time.sleep(0.05)
+        kids[1].send_signal(signal.SIGTERM)
+        for k in kids:
+            k.wait(10)
+        t1 = time.monotonic_ns()
+        a, b = (sched.exit_ns(k.pid) for k in kids)
+        assert a is not None and b is not None and t0 <= a < b <= t1, (t0, a, b, t1)
+        assert b - a >= 40_000_000, (a, b)
+    finally:
+        for k in kids:
+            if k.poll() is None:
+                k.kill()
+            sched.detach(k.pid)

@@ -438,7 +438,27 @@ def test_the_rank_whose_exit_was_seen_first_died_first():
     job.exit(0, t + 1.2)  # ... and the next
     job.feed(tl, t + 1.3)
     (f,) = hangs(tl, t + 2.5)
-    assert f.ranks == [2] and f.evidence["outlived_fault"] == {"exited_later": [0]}
+    assert f.ranks == [2] and f.evidence["outlived_fault"] == {"exited_later": [0], "exit_times": "agent scans"}
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_exits_timed_by_the_kernel_are_ordered_to_the_millisecond(exact):
+    # The agent's last look at `ccld run`'s end found both gone: with the kernel's exit times (sched)
+    # the killed rank died 30 ms before the one torchrun stopped; scan times that close say nothing.
+    job, tl, t = run_to(56)
+    for r in range(4):
+        job.enter(r, 57, t)
+        job.start(r, 57, t + 0.002)
+    for r in (1, 3):
+        job.end(r, 57, t + 0.05, ok=False)
+    job.exit(2, t + 0.20, exact=exact)
+    job.exit(0, t + 0.23, exact=exact)
+    job.feed(tl, t + 1.3)
+    (f,) = hangs(tl, t + 2.5)
+    if exact:
+        assert f.ranks == [2] and f.evidence["outlived_fault"] == {"exited_later": [0], "exit_times": "kernel"}
+    else:
+        assert f.ranks == [0, 2] and f.evidence["death_order"].startswith("unknown")
 
 
 def test_a_world_no_agent_backs_is_not_a_crowd_of_missing_ranks():
