@@ -16,6 +16,11 @@ The longest such episode is taken (a change point: the lateness began where it s
 that turns slow is named MIN_EPISODE_S after it did, whatever came before.
 Evidence: the lag numbers, the noise and threshold, and what the late rank's process did: runqueue
 wait (SchedStats: CPU contention), disk I/O or CPU use (/proc), against the other ranks'.
+Not judged: a subgroup of two ranks (a pair that is not the job's whole world). In a pair, the later
+rank only says the other came first; in a job of several group kinds (tensor x pipeline x data
+parallel, each group two ranks) one data-parallel replica's pipeline running behind the other's
+makes each of its ranks "late" at its dp all-reduce, whoever held it up. busy.py names the rank whose
+own work grew instead.
 Findings carry seq -1 (a slowdown spans many collectives; its identity must not move with the
 window) and `first_late_seq` in the evidence. Times: Unix seconds.
 Cost: each collective is summarised once, when it completes (numpy over its ranks); a tick only
@@ -206,7 +211,7 @@ class LatenessDetector:
     def find(self, tl: Timeline, now: float) -> List[Finding]:
         out = []
         for comm in list(tl.comms.values()):
-            if comm.completed < MIN_COLLS:
+            if comm.completed < MIN_COLLS or not _judged(tl, comm):
                 continue
             w = self._window(comm, now)
             if w.late < MIN_LATE or len(w.items) < MIN_COLLS:
@@ -262,6 +267,12 @@ class LatenessDetector:
         onset = min(slow[r]["first_late_at"] for r in ranks)
         return Finding(kind="slow", cls="comp-slow", ranks=ranks, comm=comm.id, seq=-1, op=op,
                        onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
+
+
+def _judged(tl: Timeline, comm: Comm) -> bool:
+    """Whether lateness at `comm` can point at a rank: three members or more, or the job's whole world."""
+    members = tl.expected_members(comm.id)
+    return len(members) >= 3 or len(members) == tl.jobs.get(comm.job, -1)
 
 
 def _episode(colls: List[CollSummary], late: Dict[int, float]) -> Optional[Dict[str, Any]]:

@@ -139,6 +139,28 @@ def test_two_rank_job_and_several_late_ranks_of_many():
     assert f.ranks == [5, 40] and [d["rank"] for d in f.evidence["ranks"]] == [5, 40]
 
 
+def test_lateness_in_a_pair_subgroup_points_at_nobody():
+    # A 4-rank job with a two-rank subgroup {0, 1} (a dp group of a 3-D job) where rank 1 arrives
+    # 30 ms after rank 0 every time: in a pair that says only that 0 came first (its pipeline ran
+    # ahead), not that 1 is slow. The same lateness in a two-rank world is a finding (above).
+    job, tl = SynthJob(world=4), Timeline()
+    job.announce(T0)
+    pair = "job/gloo:5"
+    for r in (0, 1):
+        job._put(r, ev.CommInit(pid=job.pid[r], rank=r, ts_ns=job.ts(r, T0), backend="gloo", comm=pair,
+                                group_rank=r, group_size=2))
+    job.comm = pair
+    t, seq = T0 + 1, 1
+    while t < T0 + 41:
+        t = job.collective(seq, t, ranks=[0, 1], spread=0.0, dur=0.002, late={1: 0.030}) + 0.06
+        seq += 1
+        if seq % 10 == 0:
+            job.feed(tl, t)
+    job.feed(tl, t)
+    assert sorted(tl.expected_members(pair)) == [0, 1] and tl.comms[pair].completed > 400
+    assert comp_slow(held(Diagnoser(tl), t)) == []
+
+
 def test_lifecycle_open_update_and_recover():
     job, tl, t, seq = run(seconds=20, late={2: 0.020})
     d, tr = Diagnoser(tl), FindingTracker()
