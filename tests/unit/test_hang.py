@@ -427,13 +427,19 @@ def test_a_rank_that_failed_the_collective_before_is_a_victim_not_the_first_deat
     assert f.evidence["outlived_fault"] == {"active_after_fault": [0]}
 
 
-def test_the_rank_whose_exit_was_seen_first_died_first():
+def two_gone_two_failed():
+    """Collective 57: every rank in; ranks 1 and 3 fail it (they lost a peer); 0 and 2 vanish."""
     job, tl, t = run_to(56)
     for r in range(4):
         job.enter(r, 57, t)
         job.start(r, 57, t + 0.002)
     for r in (1, 3):
         job.end(r, 57, t + 0.05, ok=False)
+    return job, tl, t
+
+
+def test_the_rank_whose_exit_was_seen_first_died_first():
+    job, tl, t = two_gone_two_failed()
     job.exit(2, t + 0.2)  # one scan ...
     job.exit(0, t + 1.2)  # ... and the next
     job.feed(tl, t + 1.3)
@@ -445,12 +451,7 @@ def test_the_rank_whose_exit_was_seen_first_died_first():
 def test_exits_timed_by_the_kernel_are_ordered_to_the_millisecond(exact):
     # The agent's last look at `ccld run`'s end found both gone: with the kernel's exit times (sched)
     # the killed rank died 30 ms before the one torchrun stopped; scan times that close say nothing.
-    job, tl, t = run_to(56)
-    for r in range(4):
-        job.enter(r, 57, t)
-        job.start(r, 57, t + 0.002)
-    for r in (1, 3):
-        job.end(r, 57, t + 0.05, ok=False)
+    job, tl, t = two_gone_two_failed()
     job.exit(2, t + 0.20, exact=exact)
     job.exit(0, t + 0.23, exact=exact)
     job.feed(tl, t + 1.3)
