@@ -311,6 +311,13 @@ def _summary(details: List[Dict[str, Any]], reason: str) -> str:
     return f"{reason}: {shown}" + (f" (+{len(details) - 4})" if len(details) > 4 else "")
 
 
+def _active_since(tl: Timeline, comm: Comm, rank: int) -> float:
+    """When `rank` last did anything the probes saw: on `comm`'s collectives, or any p2p op of its."""
+    rec = tl.rank_record(comm.job, rank)
+    p2p = rec.last_p2p[2] if rec is not None and rec.last_p2p is not None else None
+    return max(x for x in (_last_activity(comm, rank), p2p, float("-inf")) if x is not None)
+
+
 def _last_activity(comm: Comm, rank: int) -> Optional[float]:
     """When `rank` last did anything on `comm` that the probes saw: entered, started or ended one of
     its two newest collectives there (the newer may be waiting while the older ends)."""
@@ -375,7 +382,7 @@ def died_first(tl: Timeline, comm: Comm, dead: List[int], since: Optional[float]
             how["peers_lost_connection_to"] = {str(r): n for r, n in sorted(votes.items())}
             return sorted(lost), how
     if since is not None:
-        alive_after = [r for r in out if r in erred or (_last_activity(comm, r) or float("-inf")) >= since]
+        alive_after = [r for r in out if r in erred or _active_since(tl, comm, r) >= since]
         if alive_after and len(alive_after) < len(out):
             out = [r for r in out if r not in alive_after]
             how["active_after_fault"] = listed(alive_after)

@@ -26,7 +26,7 @@ from ccld.collector.timeline import Comm, Timeline
 from ccld.diagnose import waits
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.hang import (BUSY_FLOOR_S, EVIDENCE_RANKS, FAILED_GRACE_S, K, Activity, Blindness, _dead,
-                                _summary, _why_dead, _working, floor_for, rank_evidence)
+                                _summary, _why_dead, _working, died_first, floor_for, rank_evidence)
 
 FAILED_WINDOW_S = 60.0  # failed ops this recent make a fault (a restarted job's old failures fall out)
 
@@ -89,6 +89,9 @@ def _failed(tl: Timeline, comm: Comm, now: float) -> Optional[Finding]:
         return None
     failers = sorted({o.rank for o in recent})
     dead = _dead(tl, comm, set(votes))
+    how: Dict[str, Any] = {}
+    if len(dead) > 1:  # the launcher stops the others right after the first death: which one was it
+        dead, how = died_first(tl, comm, dead, first, set(failers), votes)
     if dead:
         blamed, reason = dead, _why_dead(tl, comm, dead)
     else:
@@ -99,6 +102,7 @@ def _failed(tl: Timeline, comm: Comm, now: float) -> Optional[Finding]:
     newest = max(recent, key=lambda o: o.ended)
     evidence = {"reason": reason, "failed_at": round(first, 6), "failed_ranks": failers, "n_failed": len(recent),
                 "peers_failed_with": {str(p): n for p, n in sorted(votes.items())}, "ranks": details,
+                "outlived_fault": how or None,
                 "summary": _summary(details, reason),
                 "p2p": {"waiter": newest.rank, "op": newest.op, "peer": tl.global_of(comm, newest.peer),
                         "p2p_seq": newest.seq, "error": newest.error},

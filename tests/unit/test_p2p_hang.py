@@ -189,3 +189,44 @@ def test_a_killed_stage_is_the_fault_its_neighbours_failed_with():
     assert (f.cls, f.ranks, f.evidence["reason"]) == ("fault", [1], "exited"), f.evidence
     assert f.evidence["failed_ranks"] == [0, 2] and f.evidence["peers_failed_with"] == {"1": 2}
     assert d.find_slow(t + 2.5) == []
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_of_two_stages_gone_the_one_killed_first_is_the_fault(exact):
+    """As on a real 4-stage pipeline: stage 1 is SIGKILLed; stage 0's send to it fails. Stage 2 is
+    still sending to 3 (it outlived the fault) when torchrun stops it 0.1 s later; 3's recv from 2
+    fails. Both dead, each named by one failed op: the one that died first is the fault, from
+    the kernel's exit times, or (scan times too close to order) from stage 2's send after the fault."""
+    job, tl, t = healthy()
+    n = STEPS + 1
+    job.post(1, "recv", 0, n, t)
+    job.post(0, "send", 1, n, t + 0.01)
+    job.post(3, "recv", 2, n, t)
+    job.exit(1, t + 0.02, exact=exact)
+    job.p2p_end(0, "send", 1, n, t + 0.03, ok=False)
+    job.post(2, "send", 3, n, t + 0.04)  # stage 2 still at work after the fault
+    job.exit(2, t + 0.12 if exact else t + 0.06, exact=exact)
+    job.p2p_end(3, "recv", 2, n, t + 0.13, ok=False)
+    for i in range(1, 4):
+        job.feed(tl, t + i)
+    (f,) = hangs(tl, t + 2.5)
+    assert (f.cls, f.ranks, f.evidence["reason"]) == ("fault", [1], "exited"), f.evidence
+    assert f.evidence["peers_failed_with"] == {"1": 1, "2": 1}
+    assert f.evidence["outlived_fault"] == {"active_after_fault": [2]}
+
+
+def test_of_two_stages_gone_without_a_sign_of_life_the_kernels_exit_times_order_them():
+    job, tl, t = healthy()
+    n = STEPS + 1
+    job.post(1, "recv", 0, n, t)
+    job.post(0, "send", 1, n, t + 0.01)
+    job.post(2, "send", 3, n, t + 0.01)
+    job.post(3, "recv", 2, n, t)
+    job.exit(1, t + 0.02, exact=True)
+    job.exit(2, t + 0.09, exact=True)  # within one /proc scan of the first: only the kernel's times tell
+    job.p2p_end(0, "send", 1, n, t + 0.03, ok=False)
+    job.p2p_end(3, "recv", 2, n, t + 0.10, ok=False)
+    for i in range(1, 4):
+        job.feed(tl, t + i)
+    (f,) = hangs(tl, t + 2.5)
+    assert f.ranks == [1] and f.evidence["outlived_fault"] == {"exited_later": [2], "exit_times": "kernel"}
