@@ -37,7 +37,7 @@ SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 6  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync;
                   # 1.4 column blocks (blocks.py) for coll/start/end; the envelope's "resend" flag;
                   # 1.5 p2p_end, P2P's seq/nbytes/lib_seq, CollEnter's lib_seq, CommInit's seq_source;
-                  # 1.6 RankExit's exact
+                  # 1.6 RankExit's exact, signal and by_launcher
 # CommInit.seq_source: how a rank numbers `seq` (collectives) and P2P.seq on that communicator
 SEQ_LIBRARY = "library"      # the library's own collective counter (gloo: c10d's tag): exact, also mid-run
 SEQ_FROM_INIT = "counted"    # counted by the agent from the group's creation: exact
@@ -136,13 +136,17 @@ class RankInfo(Event):
 class RankExit(Event):
     """A rank's process is gone (reason "exited"), or no longer traced ("agent stopped"). `exact`: ts_ns
     is when its main thread exited, from the kernel (sched_process_exit); else when the agent found it
-    gone (its /proc scan: up to a scan interval late)."""
+    gone (its /proc scan: up to a scan interval late). `signal`: the first signal whose default action
+    ends a process that it was sent (0: none seen, e.g. it exited by itself or crashed in Python);
+    `by_launcher`: that signal came from its parent process (torchrun stopping its workers)."""
     KIND: ClassVar[str] = "rank_exit"
     pid: int
     rank: int
     ts_ns: int
     reason: str = "exited"
     exact: bool = False
+    signal: int = 0
+    by_launcher: bool = False
 
 
 @dataclass(frozen=True)

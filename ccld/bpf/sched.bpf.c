@@ -9,6 +9,11 @@
  *                            (`exited`). The agent's /proc scan sees a death up to a scan later, and
  *                            after a launcher stops the other ranks (torchrun: ~0.1 s after the first
  *                            death) its scan times cannot tell which rank died first; these can.
+ *   signal:signal_generate   the first signal that ends a process by default (KILL, TERM, INT, HUP,
+ *                            QUIT, ABRT, SEGV, BUS, FPE, ILL) sent to a traced process or one of its
+ *                            threads, with its sender's tgid (`signals`): a rank its launcher stopped
+ *                            (an elastic restart, a job cancelled) is no fault; one killed from outside,
+ *                            or crashed, is.
  * The woken thread is not the current one in sched_wakeup, so threads are recognised by tid: a thread
  * of a traced process enters `threads` the first time it is switched out, and leaves at its last
  * switch, the one after it exited (prev_state EXIT_ZOMBIE or EXIT_DEAD): its tid may be anyone's next.
@@ -25,7 +30,8 @@
  * the agent's), threads (LRU tid -> its process, slot and the start of its current wait), stats
  * (per-CPU, per slot: cumulative runqueue ns, waits, off-CPU ns, switches), runq_max (per-CPU, per
  * slot: longest wait since the agent last reset it, every drain), exited (per slot: when the
- * process's main thread exited, 0 while it lives; the agent zeroes a slot when it gives it out).
+ * process's main thread exited, 0 while it lives; the agent zeroes a slot when it gives it out),
+ * signals (per slot: the first fatal signal, when and from whom; zeroed alike).
  * This is the evidence that separates "rank slow because its CPU is contended" from "its link is slow".
  * Minimum kernel: 4.x tracepoints; preemption is reported in prev_state as TASK_REPORT_MAX (0x100).
  */
@@ -65,6 +71,19 @@ BPF_TABLE("lru_hash", u32, struct thread, threads, CCLD_MAX_THREADS);
 BPF_PERCPU_ARRAY(stats, struct sched_stats, CCLD_MAX_PROCS);
 BPF_PERCPU_ARRAY(runq_max, u64, CCLD_MAX_PROCS);
 BPF_ARRAY(exited, u64, CCLD_MAX_PROCS);
+
+struct fatal_signal {
+    u64 ts_ns;    /* when it was sent */
+    u32 sender;   /* the sending process (tgid of the task that sent it; the faulting one for SEGV) */
+    s32 sig;      /* 0: none yet */
+};
+_Static_assert(sizeof(struct fatal_signal) == 16, "fatal_signal is 16 bytes (mirror: sched.py FatalSignal)");
+BPF_ARRAY(signals, struct fatal_signal, CCLD_MAX_PROCS);
+/* signals whose default action ends the process: HUP INT QUIT ILL ABRT BUS FPE KILL SEGV TERM */
+#define CCLD_FATAL_SIGNALS ((1U << 1) | (1U << 2) | (1U << 3) | (1U << 4) | (1U << 6) | (1U << 7) | \
+                            (1U << 8) | (1U << 9) | (1U << 11) | (1U << 15))
+#define CCLD_SIGNAL_SENT 0      /* signal_generate's result: TRACE_SIGNAL_DELIVERED ... */
+#define CCLD_SIGNAL_PENDING 2   /* ... TRACE_SIGNAL_ALREADY_PENDING (a second KILL while the first acts) */
 
 static __always_inline int proc_on(u32 pid)
 {
@@ -200,5 +219,36 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     u64 *at = exited.lookup(slot);
     if (at)
         *at = bpf_ktime_get_ns();
+    return 0;
+}
+
+TRACEPOINT_PROBE(signal, signal_generate)
+{
+    int sig = args->sig;
+    if (sig <= 0 || sig >= 32 || !((CCLD_FATAL_SIGNALS >> sig) & 1))
+        return 0;  /* most signals on a busy node: SIGCHLD, SIGALRM, real-time ones */
+    u32 pid = args->pid;  /* the target task: a process's main thread (kill), or a thread (SEGV) */
+    u32 slot;
+    if (proc_on(pid)) {
+        u32 *s = traced.lookup(&pid);
+        if (s == NULL)
+            return 0;
+        slot = *s;
+    } else if (thread_on(pid)) {
+        struct thread *t = threads.lookup(&pid);
+        if (t == NULL)
+            return 0;
+        slot = t->slot;
+    } else {
+        return 0;
+    }
+    if (args->result != CCLD_SIGNAL_SENT && args->result != CCLD_SIGNAL_PENDING)
+        return 0;  /* ignored or dropped: it ends nothing */
+    struct fatal_signal *f = signals.lookup(&slot);
+    if (f == NULL || f->sig != 0)
+        return 0;  /* the first one is what ended it */
+    f->ts_ns = bpf_ktime_get_ns();
+    f->sender = bpf_get_current_pid_tgid() >> 32;
+    f->sig = sig;
     return 0;
 }

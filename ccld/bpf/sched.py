@@ -5,13 +5,15 @@ the agent reads its slot of `stats` (cumulative, one copy per CPU: added up here
 (longest wait since the last drain, per CPU: the largest is taken and the slot reset), and ships one
 SchedStats per traced process whose numbers moved: a few map reads per process, never per switch.
 Times are nanoseconds of CLOCK_MONOTONIC; the counters are cumulative from when the agent attached.
-`exit_ns(pid)` is when a traced process's main thread exited (sched_process_exit), for the agent's
-RankExit: a death timed by the kernel, not by the agent's next /proc scan.
+`exit_info(pid)` is when a traced process's main thread exited (sched_process_exit) and the first
+signal that ends a process by default sent to it (signal_generate: number, sender), for the agent's
+RankExit: a death timed by the kernel, not by the agent's next /proc scan, and how it came.
 """
 from __future__ import annotations
 
 import ctypes as ct
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -28,6 +30,18 @@ class SchedVal(ct.Structure):
     """Mirror of struct sched_stats in sched.bpf.c (size asserted on both sides)."""
     _fields_ = [("runq_ns", ct.c_uint64), ("runq_waits", ct.c_uint64), ("offcpu_ns", ct.c_uint64),
                 ("switches", ct.c_uint64)]
+
+
+class FatalSignal(ct.Structure):
+    """Mirror of struct fatal_signal in sched.bpf.c (size asserted on both sides)."""
+    _fields_ = [("ts_ns", ct.c_uint64), ("sender", ct.c_uint32), ("sig", ct.c_int32)]
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    exit_ns: Optional[int]  # CLOCK_MONOTONIC ns of the main thread's exit; None: not seen
+    signal: int             # the first fatal signal sent to it, 0 none
+    sender: int             # the pid that sent it, 0 none
 
 
 class SchedFamily(KernelFamily):
@@ -49,6 +63,7 @@ class SchedFamily(KernelFamily):
             self.bpf[b"stats"][ct.c_int(slot)] = zero
             self.bpf[b"runq_max"][ct.c_int(slot)] = self.bpf[b"runq_max"].Leaf()
             self.bpf[b"exited"][ct.c_int(slot)] = ct.c_uint64(0)
+            self.bpf[b"signals"][ct.c_int(slot)] = FatalSignal()
         self.bpf[b"traced"][ct.c_uint32(pid)] = ct.c_uint32(self.slots[pid])
         set_bit(self.bpf[b"proc_bits"], pid, True, self.NAME)
 
@@ -73,17 +88,17 @@ class SchedFamily(KernelFamily):
         if slot is not None:
             self._free.append(slot)
 
-    def exit_ns(self, pid: int) -> Optional[int]:
-        """When traced process `pid`'s main thread exited (CLOCK_MONOTONIC ns), or None (alive, or
-        not traced, or it exited before its slot was given out)."""
+    def exit_info(self, pid: int) -> Optional[ExitInfo]:
+        """How traced process `pid` ended, as far as the kernel said (None: not traced here)."""
         slot = self.slots.get(pid)
         if slot is None or self.bpf is None:
             return None
         try:
             at = int(self.bpf[b"exited"][ct.c_int(slot)].value)
+            sig = self.bpf[b"signals"][ct.c_int(slot)]
         except (KeyError, OSError):
             return None
-        return at or None
+        return ExitInfo(at or None, int(sig.sig), int(sig.sender) if sig.sig else 0)
 
     def drain(self) -> None:
         """Every traced process's slot of the per-CPU sums, added up over the CPUs, and of the

@@ -63,6 +63,8 @@ class RankRecord:
     exited_at: Optional[float] = None
     exit_reason: str = ""
     exit_exact: bool = False  # exited_at is the kernel's time of the exit, not the agent's next scan
+    exit_signal: int = 0      # the fatal signal it was sent (0: none seen)
+    stopped_by_launcher: bool = False  # that signal came from its launcher (a restart, a cancelled job)
     last_event_at: Optional[float] = None
     last_p2p: Optional[Tuple[str, int, float]] = None  # (op, peer, at)
     # Scheduler (SchedStats, cumulative ns): waiting for a CPU while runnable, and off CPU while blocked.
@@ -492,6 +494,7 @@ class Timeline:
         if isinstance(e, ev.RankExit):
             if rec is not None:
                 rec.exited_at, rec.exit_reason, rec.exit_exact = t, e.reason, e.exact
+                rec.exit_signal, rec.stopped_by_launcher = e.signal, e.by_launcher
             return
         if rank < 0:
             self.anomalies["no-rank"] += 1  # neither the event nor a RankInfo says which rank this is

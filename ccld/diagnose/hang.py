@@ -237,6 +237,22 @@ def _dead(tl: Timeline, comm: Comm, ranks: Set[int]) -> List[int]:
     return sorted(out)
 
 
+def stopped_by_launcher(tl: Timeline, comm: Comm, ranks) -> List[int]:
+    """Those of `ranks` that exited of a signal from their own launcher (RankExit.by_launcher)."""
+    out = []
+    for r in ranks:
+        rec = tl.rank_record(comm.job, r)
+        if rec is not None and rec.exited() and rec.stopped_by_launcher:
+            out.append(r)
+    return sorted(out)
+
+
+def job_stopped(tl: Timeline, comm: Comm, expected) -> bool:
+    """Every member of `comm` exited of its launcher's signal: the job was stopped or restarted (an
+    elastic restart, a cancelled job), which leaves its last collective open on no one's account."""
+    return bool(expected) and len(stopped_by_launcher(tl, comm, expected)) == len(expected)
+
+
 def _why_dead(tl: Timeline, comm: Comm, ranks: List[int]) -> str:
     recs = [tl.rank_record(comm.job, r) for r in ranks]
     return "exited" if all(r is not None and r.exited() for r in recs) else "stopped"
@@ -367,13 +383,20 @@ def died_first(tl: Timeline, comm: Comm, dead: List[int], since: Optional[float]
     """Of ranks that all stopped without finishing, those whose death started it: (ranks, how).
 
     A rank killed inside a collective is gone before its peers notice; the launcher then stops the
-    others (torchrun: SIGTERM, ~0.1 s later), often before they notice too. So: the rank(s) the
+    others (torchrun: SIGTERM, ~0.1 s later), often before they notice too. So: ranks whose exit
+    came from their launcher's signal are victims; of the rest, the rank(s) the
     failed ranks' errors say they lost the connection to (`named`, votes per rank); else a rank that
     reported an error, or did anything on `comm` after the fault's first error (`since`), outlived the
     fault and is a victim; of the rest, the one whose exit the agent saw first (not within one scan of
     another's) is the first to die. Each rule applies only when it leaves someone."""
     how: Dict[str, Any] = {}
     out = list(dead)
+    stopped = stopped_by_launcher(tl, comm, out)
+    if stopped and len(stopped) < len(out):  # the launcher stopped them after the others died
+        out = [r for r in out if r not in stopped]
+        how["stopped_by_launcher"] = listed(stopped)
+        if len(out) == 1:
+            return out, how
     votes = {r: n for r, n in (named or {}).items() if r in out}
     if votes:
         top = max(votes.values())
@@ -468,6 +491,8 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
     expected = tl.expected_members(comm.id)
     if len(expected) < 2:
         return None  # a group of one cannot wait on a peer
+    if job_stopped(tl, comm, expected):
+        return None  # its launcher stopped every member (a restart): nobody waits on anybody
     base = {"expected": len(expected), "failed": {str(r): e for r, e in sorted(view.failed.items())} or None}
     if view.failed:
         return _failed(tl, comm, view, expected, now, base)

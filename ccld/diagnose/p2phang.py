@@ -26,7 +26,7 @@ from ccld.collector.timeline import Comm, Timeline
 from ccld.diagnose import waits
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.hang import (BUSY_FLOOR_S, EVIDENCE_RANKS, FAILED_GRACE_S, K, Activity, Blindness, _dead,
-                                _summary, _why_dead, _working, died_first, floor_for, rank_evidence)
+                                _summary, _why_dead, _working, died_first, floor_for, job_stopped, rank_evidence)
 
 FAILED_WINDOW_S = 60.0  # failed ops this recent make a fault (a restarted job's old failures fall out)
 
@@ -41,6 +41,8 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
     ranks = _waiters(tl, comm)
     if not ranks and not comm.p2p.failed:
         return out
+    if job_stopped(tl, comm, tl.expected_members(comm.id)):
+        return out  # its launcher stopped every member (a restart): the failed ops are its doing
     peak = comm.p2p.recent_peak(now)
     threshold = max(floor_for(floor_s, comm.p2p.first_done_at, now), k * peak)
     failed = _failed(tl, comm, now)

@@ -58,6 +58,7 @@ class Rank:
     last_state_at: float = 0.0
     maps_vsize: int = -1         # the address space's size when its maps were last read for libraries
     maps_read_at: float = 0.0
+    ppid: int = 0                # its parent (the launcher, under torchrun): a signal from it is a stop
 
 
 from ccld.bpf.progcache import PROGRAMS  # noqa: E402
@@ -343,6 +344,8 @@ class Agent:
     def _add(self, ident: discover.RankIdentity) -> None:
         self._last_change = time.monotonic()
         r = self.ranks[ident.pid] = Rank(ident)
+        st = procstate.read_stat(ident.pid)
+        r.ppid = st.ppid if st is not None else 0
         for _, tr in self.families:
             tr.add_process(ident.pid, ident.rank, ident.job)
         self.shipper.put(self._rank_info(r))
@@ -391,19 +394,22 @@ class Agent:
         if r is None:
             return
         self._last_change = time.monotonic()
-        at = None
-        if exited:  # the kernel's time of the death where a family saw it (sched), before it forgets the pid
+        how = None
+        if exited:  # the kernel's account of the death where a family saw it (sched), before it forgets the pid
             for fam, _ in self.families:
-                got = getattr(fam, "exit_ns", None)
-                at = got(pid) if got is not None else None
-                if at:
+                got = getattr(fam, "exit_info", None)
+                how = got(pid) if got is not None else None
+                if how is not None:
                     break
+        at = how.exit_ns if how is not None else None
+        sig = how.signal if how is not None else 0
         for fam, tr in self.families:
             fam.detach(pid)
             tr.forget(pid)
         if exited:
             self.shipper.put(ev.RankExit(pid=pid, rank=r.ident.rank, ts_ns=at or time.monotonic_ns(), reason=reason,
-                                         exact=bool(at)))
+                                         exact=bool(at), signal=sig,
+                                         by_launcher=bool(sig) and how.sender == r.ppid and r.ppid > 1))
 
     def _announce(self) -> None:
         self.shipper.put(ev.AgentHello(agent=self.agent_id, node=self.node, pid=os.getpid(),

@@ -178,7 +178,8 @@ def test_runqueue_wait_of_a_rank_sharing_its_cpu_with_a_hog(fams):
 
 def test_a_traced_process_exit_is_timed_by_the_kernel(fams):
     # Two traced processes with threads of their own; one is SIGKILLed, 50 ms later the other is
-    # SIGTERMed: each exit time is its main thread's (a worker thread ending is no death), in order.
+    # SIGTERMed: each exit time is its main thread's (a worker thread ending is no death), in order,
+    # with the signal that ended it and its sender.
     import signal
     fams, _ = fams
     sched, _tr = fams["sched"]
@@ -188,7 +189,9 @@ def test_a_traced_process_exit_is_timed_by_the_kernel(fams):
         for i, k in enumerate(kids):
             trace({"sched": fams["sched"]}, k.pid, i)
         time.sleep(0.5)  # the helper thread has ended: still no exit
-        assert [sched.exit_ns(k.pid) for k in kids] == [None, None]
+        assert [sched.exit_info(k.pid).exit_ns for k in kids] == [None, None]
+        os.kill(kids[0].pid, signal.SIGCHLD)  # not a fatal signal: not kept
+        assert sched.exit_info(kids[0].pid).signal == 0
         t0 = time.monotonic_ns()
         kids[0].send_signal(signal.SIGKILL)
         time.sleep(0.05)
@@ -196,9 +199,12 @@ def test_a_traced_process_exit_is_timed_by_the_kernel(fams):
         for k in kids:
             k.wait(10)
         t1 = time.monotonic_ns()
-        a, b = (sched.exit_ns(k.pid) for k in kids)
+        ia, ib = (sched.exit_info(k.pid) for k in kids)
+        a, b = ia.exit_ns, ib.exit_ns
         assert a is not None and b is not None and t0 <= a < b <= t1, (t0, a, b, t1)
         assert b - a >= 40_000_000, (a, b)
+        # the signal that ended each, and who sent it (this process: their parent, as a launcher is)
+        assert (ia.signal, ia.sender, ib.signal, ib.sender) == (9, os.getpid(), 15, os.getpid()), (ia, ib)
     finally:
         for k in kids:
             if k.poll() is None:

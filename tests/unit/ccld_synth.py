@@ -129,8 +129,9 @@ class SynthJob:
         self._put(r, ev.RankState(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), state=state, wchan=wchan,
                                   cpu_ns=cpu_ns))
 
-    def exit(self, r: int, t: float, exact: bool = False) -> None:
-        self._put(r, ev.RankExit(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), exact=exact))
+    def exit(self, r: int, t: float, exact: bool = False, signal: int = 0, by_launcher: bool = False) -> None:
+        self._put(r, ev.RankExit(pid=self.pid[r], rank=r, ts_ns=self.ts(r, t), exact=exact, signal=signal,
+                                 by_launcher=by_launcher))
 
     def collective(self, seq: int, t: float, op: str = "allreduce", spread: float = 0.002,
                    dur: float = 0.003, ranks: Optional[Iterable[int]] = None, finish: bool = True,

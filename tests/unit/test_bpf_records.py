@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ccld.bpf import gloo, nccl, rdma, records
+from ccld.bpf import gloo, nccl, rdma, records, sched
 from ccld.bpf.loader import BPF_DIR
 
 pytestmark = pytest.mark.unit
@@ -32,6 +32,7 @@ MIRRORS = {
                    "gloo_work_start": gloo.WorkStart, "gloo_work_end": gloo.WorkEnd, "gloo_p2p": gloo.P2pRec,
                    "gloo_pair_fail": gloo.PairFail, "gloo_p2p_end": gloo.P2pEnd, "gloo_enter_of": gloo.EnterOf,
                    "gloo_pg_name": gloo.PgName},
+    "sched.bpf.c": {"sched_stats": sched.SchedVal, "fatal_signal": sched.FatalSignal},
     "nccl.bpf.c": {"nccl_call": nccl.NcclCall, "nccl_group": nccl.NcclGroup,
                    "nccl_comm_init": nccl.NcclCommInit, "nccl_comm_end": nccl.NcclCommEnd},
 }
@@ -102,7 +103,7 @@ def _struct_fields(text: str, name: str, defs: dict):
     return fields
 
 
-@pytest.mark.parametrize("source", ["common.h", "gloo.bpf.c", "nccl.bpf.c"])
+@pytest.mark.parametrize("source", ["common.h", "gloo.bpf.c", "nccl.bpf.c", "sched.bpf.c"])
 def test_mirrors_match_static_asserts(source):
     common = _source("common.h")
     text = _source(source)

@@ -462,6 +462,28 @@ def test_exits_timed_by_the_kernel_are_ordered_to_the_millisecond(exact):
         assert f.ranks == [0, 2] and f.evidence["death_order"].startswith("unknown")
 
 
+def test_a_job_its_launcher_stopped_is_not_hung():
+    # An elastic restart: torchrun SIGTERMs its ranks 1 ms apart; rank 1 entered collective 57 just
+    # before its turn. Nobody waits on anybody: no finding, however long the collective stays open.
+    job, tl, t = run_to(56)
+    job.enter(1, 57, t)
+    for r in range(4):
+        job.exit(r, t + 0.001 * (r + 1), exact=True, signal=15, by_launcher=True)
+    job.feed(tl, t + 0.5)
+    assert hangs(tl, t + 10) == []
+
+
+def test_a_rank_killed_from_outside_is_the_fault_not_those_its_launcher_stopped():
+    # Rank 2 SIGKILLed (by someone else: the OOM killer, an operator); torchrun stops the others 1 ms
+    # later, too close for even the kernel's exit times to order: the launcher's signal says it.
+    job, tl, t = two_gone_two_failed()
+    job.exit(2, t + 0.200, exact=True, signal=9)
+    job.exit(0, t + 0.201, exact=True, signal=15, by_launcher=True)
+    job.feed(tl, t + 1.3)
+    (f,) = hangs(tl, t + 2.5)
+    assert f.ranks == [2] and f.evidence["outlived_fault"] == {"stopped_by_launcher": [0]}
+
+
 def test_a_world_no_agent_backs_is_not_a_crowd_of_missing_ranks():
     """A frame claims a world of 2^17 ranks where agents announce 4: the hang names the one announced
     rank that is missing, not 131,068 ranks nobody reports (that made every tick build and print them
