@@ -1,12 +1,13 @@
 # Quick start:  make demo   (set up, then run the 4-rank demo with a hung rank)
 #               make test   (set up, then run every test tier this machine can run)
+#               make check  (the import contracts, ruff and mypy: seconds; settings in pyproject.toml)
 SHELL := /bin/bash
 VENV := .venv
 # Root can load eBPF and run real jobs under ccld, so there the bpf and e2e tiers must run: a skip
 # in a required tier fails the run (see tests/conftest.py).
 REQUIRE := $(shell [ "$$(id -u)" = 0 ] && echo unit,bpf,e2e || echo unit)
 
-.PHONY: setup demo test test-unit bench bench-long clean
+.PHONY: setup demo check test test-unit bench bench-long clean
 
 setup: $(VENV)/.ccld-ready
 
@@ -16,6 +17,13 @@ $(VENV)/.ccld-ready: pyproject.toml setup.py scripts/setup.sh ccld/export/_hotpa
 
 demo: setup
 	$(VENV)/bin/ccld demo --fault hang
+
+# Layering kept honest: which packages may import which (import-linter), a linter over ccld/ (ruff)
+# and the type checker over the packages whose annotations are checked (mypy). Any finding fails.
+check: setup
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check ccld
+	$(VENV)/bin/mypy
 
 test: setup
 	CCLD_REQUIRE_TIERS=$(REQUIRE) $(VENV)/bin/python -m pytest -m "unit or bpf or e2e" -rs -p no:cacheprovider tests
@@ -43,4 +51,4 @@ bench-long: setup
 	$(VENV)/bin/python bench/clock_align.py --write-results
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache build ccld/export/_hotpath*.so
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache .import_linter_cache build ccld/export/_hotpath*.so

@@ -163,7 +163,7 @@ def old_path(n: int = 200) -> float:
     """µs per event the agent spent before its batch path, on the same records: a ctypes copy and a
     reference-translator call per record, an Event per event, then events.encode_batch (blocks.split)."""
     import ctypes as ct
-    from ccld import events as ev
+    from ccld import wire as ev
     from gloo_reference import ReferenceTranslator
     setup, _, recs = drain_records(n // 2)
     raws = [bytes(r) for r in recs]

@@ -56,7 +56,7 @@ def run_bed(seconds: float, say=print):
 def errors_over_time(mb, stats):
     """node -> [(s since that agent's first estimate, error final ns, error round trips only ns,
     stated uncertainty ns, source)], by replaying the store through a Timeline."""
-    from ccld import events as ev
+    from ccld import wire as ev
     from ccld.collector.ingest import IngestCounters, ingest_frame
     from ccld.collector.store import read_store
     from ccld.collector.timeline import Timeline

@@ -37,7 +37,7 @@ import msgpack  # noqa: E402
 import psutil  # noqa: E402
 import zmq  # noqa: E402
 
-from ccld import events as ev  # noqa: E402
+from ccld import wire as ev  # noqa: E402
 from results import write_section  # noqa: E402
 
 RANKS_PER_NODE = 8

@@ -39,7 +39,7 @@ from typing import Any, Dict, List
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ccld import events as ev  # noqa: E402
+from ccld import wire as ev  # noqa: E402
 from ccld.collector.store import StoreWriter  # noqa: E402
 from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
 

@@ -35,7 +35,7 @@ import msgpack  # noqa: E402
 import psutil  # noqa: E402
 import zmq  # noqa: E402
 
-from ccld import events as ev  # noqa: E402
+from ccld import wire as ev  # noqa: E402
 from ccld.collector import server  # noqa: E402
 from ccld.tracer import shipper  # noqa: E402
 from fuzz_collector import RssSampler, machine  # noqa: E402

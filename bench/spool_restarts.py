@@ -35,7 +35,7 @@ from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ccld import events as ev  # noqa: E402
+from ccld import wire as ev  # noqa: E402
 from ccld.collector.acks import AckBook  # noqa: E402
 from ccld.collector.store import StoreWriter, read_store  # noqa: E402
 from ccld.tracer import shipper as sh  # noqa: E402

@@ -24,7 +24,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ccld import events as ev  # noqa: E402
+from ccld import wire as ev  # noqa: E402
 from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
 from ccld.collector import store as st  # noqa: E402
 

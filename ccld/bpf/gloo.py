@@ -50,7 +50,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.bpf import elfcode, records
 from ccld.bpf.loader import Attachment, Family, Probe
 from ccld.bpf.records import Header

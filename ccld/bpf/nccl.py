@@ -24,7 +24,7 @@ from typing import Callable, Dict, Optional
 
 import numpy as np
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.bpf import records
 from ccld.bpf.loader import Family, Probe
 from ccld.bpf.records import Header

@@ -18,7 +18,7 @@ import ctypes as ct
 import logging
 from typing import Callable, Dict, List, Tuple
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.bpf import elfver, records
 from ccld.bpf.loader import Family, Probe, lib_key
 from ccld.bpf.records import Header

@@ -1,12 +1,12 @@
 """Rows: a drain's collective events (the hot wire kinds coll, start, end) as numpy columns.
 
 Translators emit these instead of one Event object per record; the shipper turns them into the
-frame's column blocks (ccld/blocks.py's wire form) with array operations. A Rows holds events in
+frame's column blocks (ccld/wire/blocks.py's wire form) with array operations. A Rows holds events in
 the order the translator made them (so any prefix of it is a valid cut: an enter never comes after
 its collective's start or end), one row each: its kind (KIND_*), its group (an index into `groups`,
 the fields shared by a block: for coll the communicator, op, backend and sizes; for start and end
 the communicator, and ok/error), and the per-event columns seq, pid, rank, ts_ns, tid, lib_seq (tid
-and lib_seq are only sent for coll). Times are CLOCK_MONOTONIC ns of this node, as in events.py.
+and lib_seq are only sent for coll). Times are CLOCK_MONOTONIC ns of this node, as in ccld/wire/schema.py.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from ccld import events as ev
+from ccld import wire as ev
 
 KIND_COLL, KIND_START, KIND_END = 0, 1, 2
 WIRE_KINDS = ("coll", "start", "end")
@@ -115,7 +115,7 @@ def concat(parts: Sequence[Rows]) -> Rows:
 
 
 def blocks(parts: Sequence[Tuple[int, Rows]], shift=None) -> List[Dict[str, Any]]:
-    """Wire blocks (blocks.py's form) for the rows of one frame: `parts` are (at, rows), `at` being the
+    """Wire blocks (ccld/wire/blocks.py's form) for the rows of one frame: `parts` are (at, rows), `at` being the
     number of the frame's plain events made before those rows. One block per shared-field set, its
     rows sorted by seq (stable, as blocks.split sorts them; readers rely on it for speed), placed at
     the first of its rows. `shift` maps a list of times to this node's reported clock (NodeClock)."""

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.bpf.loader import Attachment, KernelFamily, set_bit
 from ccld.errors import EnvironmentProblem
 

@@ -1,7 +1,7 @@
 """Which frames of each agent the collector holds: resent frames dropped, and the agents' "ack?" answered.
 
 Agents that keep frames until they are acknowledged (ccld/tracer/spool.py) mark them `"resend": true`
-in the envelope (events.py) and number them 1, 2, 3... per agent id (one id per agent process start).
+in the envelope (ccld/wire/codec.py) and number them 1, 2, 3... per agent id (one id per agent process start).
 For those frames, per agent id:
   seen   every batch this collector stored, or found in the store when it started: a frame sent again
          after a collector restart is dropped (frames_duplicate), so the store holds each one once;
@@ -28,15 +28,13 @@ import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-import msgpack
+from ccld import wire as ev
+from ccld.wire import protocol
 
 log = logging.getLogger("ccld.acks")
 
 MAX_ABOVE = 4096          # batches remembered above an agent's watermark; beyond, the oldest gap is given up
 MAX_AGENTS = 100_000      # agent ids remembered (one per agent start); beyond, the longest unheard is forgotten
-MAX_REQUEST_AGENTS = 16   # agent ids answered per request (ackclient.MAX_AGENTS_PER_REQUEST)
-MAX_AGENT_ID = 256        # characters
-PEEK_BYTES = 512          # the envelope's keys before "events" fit in this (an agent id is <= 255 bytes)
 DUPLICATE = object()      # admit()'s answer for a frame the store already holds
 
 
@@ -86,37 +84,6 @@ class _Agent:
         self.seen, self.acked = Marks(), Marks()
 
 
-def peek_resend(frame: bytes) -> Optional[Tuple[str, int]]:
-    """(agent, batch) of a frame marked "resend", from the envelope keys before "events"; None when it
-    is not marked (or is not an envelope). Never raises."""
-    for data in (frame[:PEEK_BYTES], frame) if len(frame) > PEEK_BYTES else (frame,):
-        u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
-        u.feed(data)
-        agent = batch = None
-        resend = False
-        try:
-            for _ in range(min(u.read_map_header(), 16)):
-                k = u.unpack()
-                if k in ("events", "blocks"):
-                    break  # ccld writes "resend" before the events: a frame without it there is not marked
-                if k == "agent":
-                    agent = u.unpack()
-                elif k == "batch":
-                    batch = u.unpack()
-                elif k == "resend":
-                    resend = u.unpack() is True
-                else:
-                    u.skip()
-        except msgpack.OutOfData:
-            continue  # the first PEEK_BYTES were not enough: read the whole frame
-        except Exception:
-            return None
-        if resend and type(agent) is str and type(batch) is int and batch > 0:
-            return agent, batch
-        return None
-    return None
-
-
 class AckBook:
     def __init__(self, durable: Optional[Callable[[], int]] = None):
         self._durable = durable   # records of the store on the OS so far; None: no store
@@ -144,7 +111,7 @@ class AckBook:
         t0 = time.monotonic()
         n = 0
         for _, frame in read_store(store_dir, []):
-            got = peek_resend(frame)
+            got = ev.peek_resend(frame)
             if got is not None:
                 a = self._agent(got[0])
                 a.seen.add(got[1])
@@ -161,7 +128,7 @@ class AckBook:
     def admit(self, frame: bytes):
         """None for a frame not marked resend; DUPLICATE for one already held (drop it); else a
         ticket for stored()."""
-        got = peek_resend(frame)
+        got = ev.peek_resend(frame)
         if got is None:
             return None
         with self._lock:
@@ -207,21 +174,16 @@ class AckBook:
     # ---- time service thread ---------------------------------------------------------------------
 
     def answer(self, req: Any) -> Optional[List[Any]]:
-        """The reply to ["ack", seq, [[agent, floor], ...]] without its epoch: [seq, [[agent, acked], ...]];
-        None for a malformed request (counted)."""
-        if (not isinstance(req, list) or len(req) != 3 or type(req[1]) is not int
-                or not isinstance(req[2], list) or len(req[2]) > MAX_REQUEST_AGENTS):
+        """The reply to ["ack", seq, [[agent, floor], ...]] (wire/protocol.py) without its epoch:
+        [seq, [[agent, acked], ...]]; None for a malformed request (counted)."""
+        got = protocol.read_ack_request(req)
+        if got is None:
             self.bad_requests += 1
             return None
-        for p in req[2]:
-            if not (isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and len(p[0]) <= MAX_AGENT_ID
-                    and type(p[1]) is int and 0 <= p[1] < 1 << 62):
-                self.bad_requests += 1
-                return None
         out = []
         with self._lock:
             self._promote()
-            for agent, floor in req[2]:
+            for agent, floor in got.floors:
                 a = self._agents.get(agent)
                 if a is None:
                     # nothing stored for it: everything below its floor is as good as acknowledged. No
@@ -231,7 +193,7 @@ class AckBook:
                 a.acked.floor(floor)  # not seen.floor: see the module's docstring
                 out.append([agent, a.acked.upto])
         self.requests += 1
-        return [req[1], out]
+        return [got.seq, out]
 
     def counters(self) -> Dict[str, Any]:
         with self._lock:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.clockrefine import JobClockRefiner
 from ccld.errors import CcldError
 

@@ -22,7 +22,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld import gpujoin
 from ccld.gpujoin import MAX_LAUNCH_LAG_NS
 

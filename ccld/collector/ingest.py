@@ -10,7 +10,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.timeline import Timeline
 
 

@@ -24,7 +24,7 @@ from typing import AbstractSet, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ccld import events as ev
+from ccld import wire as ev
 
 MAX_CONNS = 262_144     # 16,384 ranks x 16 connections each; a LinkStats for more is dropped and counted
 MAX_PAIRS = 262_144

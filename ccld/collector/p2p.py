@@ -22,7 +22,7 @@ from typing import Deque, Dict, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 
-from ccld import events as ev
+from ccld import wire as ev
 
 MAX_OPS_PER_KEY = 512      # transfers kept per (rank, direction, peer): minutes of a pipeline's micro-batches
 MAX_KEYS_PER_COMM = 65536  # (rank, direction, peer) keys: a rank talks to a handful of peers

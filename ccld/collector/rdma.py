@@ -19,7 +19,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
-from ccld import events as ev
+from ccld import wire as ev
 
 MAX_QPS = 1_048_576        # 16,384 ranks x 64 QPs; NCCL opens a few QPs per peer and channel
 MAX_PORTS = 65_536         # 8,192 nodes x 8 NIC ports

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import zmq
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.acks import DUPLICATE, AckBook
 from ccld.collector.ingest import IngestCounters, decode_frame
 from ccld.collector.store import StoreWriter

@@ -21,8 +21,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 
-from ccld import events as ev
-from ccld.blocks import Block, in_order, run_rows
+from ccld import wire as ev
+from ccld.wire.blocks import Block, in_order, run_rows
 from ccld.collector.blocked import BlockedTable
 from ccld.collector.clock import ClockTable
 from ccld.collector.gpu import GPU_EVENTS, GpuJoin
@@ -242,7 +242,7 @@ class Timeline:
                 self._saw_rows(b, prep)
 
     def _run_of(self, agent: str, node: str, prepared: Dict[Block, Any], b: Block, seq: int, i: int, j: int) -> None:
-        """Rows i:j of column block `b` (blocks.py), all of collective `seq`: in one pass when they are
+        """Rows i:j of column block `b` (ccld/wire/blocks.py), all of collective `seq`: in one pass when they are
         what a live agent sends, else event by event.
 
         The fast path needs: comm shared (and every other field it reads: _FAST_SHARED), every row's

@@ -2,7 +2,8 @@
 
 A ZeroMQ ROUTER on its own port (by default the collector's port + 1; `ccld collector --time-listen`).
 Request: MessagePack [seq, t1] (the agent's own numbers, echoed); reply: [seq, t1, t2, t3, epoch]
-where t2 is when the request was read and t3 when the reply is sent, in the collector's timebase:
+(ccld/wire/protocol.py), where t2 is when the request was read and t3 when the reply is sent, in the
+collector's timebase:
 Unix ns = CLOCK_MONOTONIC + an anchor (CLOCK_REALTIME - CLOCK_MONOTONIC read once at start), so a
 step of this machine's wall clock while it runs does not break the agents' fits. `epoch` is random
 per start: an agent that sees it change starts its fit over.
@@ -24,16 +25,14 @@ import threading
 import time
 from typing import Callable, Optional
 
-import msgpack
 import zmq
 
 from ccld.errors import CcldError
+from ccld.wire import protocol
 
 log = logging.getLogger("ccld.timesvc")
 
 POLL_MS = 100             # the thread notices stop() within this
-MAX_REQUEST_BYTES = 64    # [seq, t1] packs into < 20 bytes; anything bigger is not ours ...
-MAX_ACK_REQUEST_BYTES = 4096  # ... but an ack request: 16 agent ids of <= 256 characters, said in < 4 KiB
 
 
 class TimeServiceError(CcldError):
@@ -114,32 +113,20 @@ class TimeService:
                 time.sleep(POLL_MS / 1000)
 
     def _answer(self, sock, parts, t2: int) -> None:
-        if len(parts) != 2 or len(parts[1]) > MAX_ACK_REQUEST_BYTES:
+        req = protocol.read_request(parts[1]) if len(parts) == 2 else None
+        if req is None:
             self.bad_requests += 1
             return
-        try:
-            req = msgpack.unpackb(parts[1], raw=False)
-        except Exception:
-            self.bad_requests += 1
-            return
-        if isinstance(req, list) and req and req[0] == "ack":
+        if not isinstance(req, protocol.TimeRequest):  # an ack request: the AckBook checks it
             reply = self.acks.answer(req) if self.acks is not None else None
             if reply is None:
                 self.bad_requests += 1
                 return
-            sock.send_multipart([parts[0], msgpack.packb(["ack", reply[0], self.epoch, reply[1]])], zmq.NOBLOCK)
+            sock.send_multipart([parts[0], protocol.encode_ack_reply(reply[0], self.epoch, reply[1])], zmq.NOBLOCK)
             self.answered_acks += 1
             return
-        if len(parts[1]) > MAX_REQUEST_BYTES:
-            self.bad_requests += 1
-            return
-        if (not isinstance(req, list) or len(req) != 2
-                or not all(type(x) is int for x in req)):
-            self.bad_requests += 1
-            return
-        seq, t1 = req
         t3 = self.now_ns()
-        sock.send_multipart([parts[0], msgpack.packb([seq, t1, t2, t3, self.epoch])], zmq.NOBLOCK)
+        sock.send_multipart([parts[0], protocol.encode_time_reply(req.seq, req.t1, t2, t3, self.epoch)], zmq.NOBLOCK)
         self.answered += 1
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 
-from ccld import events as ev
+from ccld import wire as ev
 
 # model -> {agent: ts_ns of the last estimate drawn}
 _SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -1,5 +1,5 @@
 """Column blocks in the trace: a frame's "blocks" (schema 1.4: coll, start and end events as columns, see
-ccld/blocks.py) fed to the model without making a map per event.
+ccld/wire/blocks.py) fed to the model without making a map per event.
 
 A block's shared fields ("same") are read once; its columns are type-checked once each (one C-level
 pass), so the row loops below do no per-row validation. The fast path takes the shape live agents

@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import msgpack
 
 from ccld.collector.clock import ClockTable
-from ccld.events import SCHEMA_MAJOR
+from ccld import wire as ev
 from ccld.export import clocktrack, colblocks, facts, gpu, marks
 from ccld.export.collectives import MAX_OPEN, Collectives, GROUP_WAIT_S
 from ccld.export.netcounters import NetCounters
@@ -137,7 +137,7 @@ class TraceModel:
             self.frames_rejected["bad-envelope"] += 1
             return
         v = env.get("v")
-        if type(v) not in (list, tuple) or len(v) != 2 or v[0] != SCHEMA_MAJOR:
+        if type(v) not in (list, tuple) or len(v) != 2 or v[0] != ev.SCHEMA_MAJOR:
             self.frames_rejected["version"] += 1
             return
         agent, node, evs = env.get("agent"), env.get("node"), env.get("events")

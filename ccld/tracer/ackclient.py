@@ -1,7 +1,7 @@
 """Ask the collector which frames it has stored: the agent's half of acknowledged delivery.
 
 A ZeroMQ DEALER to the collector's time service (ccld/collector/timesvc.py answers these beside its
-clock round trips; the agent already talks to it). MessagePack request and reply:
+clock round trips; the agent already talks to it). MessagePack request and reply (ccld/wire/protocol.py):
 
     ["ack", seq, [[agent, floor], ...]]          for each agent id whose frames the spool holds, the
                                                  lowest batch it may still send (nothing below comes)
@@ -18,13 +18,11 @@ from __future__ import annotations
 import logging
 from typing import Dict, List, Tuple
 
-import msgpack
 import zmq
 
-log = logging.getLogger("ccld.ackclient")
+from ccld.wire import protocol
 
-MAX_AGENTS_PER_REQUEST = 16   # agent ids in one request (a spool holds one or two: this run's, the last)
-MAX_REPLY_BYTES = 8192
+log = logging.getLogger("ccld.ackclient")
 
 
 class AckClient:
@@ -43,7 +41,7 @@ class AckClient:
         # a restarted collector is seen within ~0.5 s, not after ZeroMQ's usual backoff (one connection
         # attempt every 0.5 s while it is away costs nothing)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.ACK_REPLY_MAX_BYTES)
         if keys is not None:
             from ccld.security import secure_client
             secure_client(self._sock, keys)
@@ -51,9 +49,8 @@ class AckClient:
 
     def request(self, floors: Dict[str, int]) -> bool:
         self._seq += 1
-        pairs = [[a, int(f)] for a, f in list(floors.items())[:MAX_AGENTS_PER_REQUEST]]
         try:
-            self._sock.send(msgpack.packb(["ack", self._seq, pairs]), zmq.NOBLOCK)
+            self._sock.send(protocol.encode_ack_request(self._seq, list(floors.items())), zmq.NOBLOCK)
         except zmq.Again:
             return False
         self.requests += 1
@@ -67,29 +64,14 @@ class AckClient:
                 raw = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            got = _parse(raw)
+            got = protocol.read_ack_reply(raw)  # None: a clock reply (time service) or junk
             if got is None:
                 self.bad_replies += 1
                 continue
             self.replies_taken += 1
-            out.append(got)
+            out.append((got.epoch, got.acked))
 
     def close(self) -> None:
         self._sock.close(linger=0)
         self._ctx.term()
 
-
-def _parse(raw: bytes):
-    try:
-        r = msgpack.unpackb(raw, raw=False)
-    except Exception:
-        return None
-    if (not isinstance(r, list) or len(r) != 4 or r[0] != "ack" or type(r[2]) is not int
-            or not isinstance(r[3], list)):
-        return None  # a clock reply (time service) or junk: not ours
-    pairs = []
-    for p in r[3]:
-        if not (isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and type(p[1]) is int):
-            return None
-        pairs.append((p[0], p[1]))
-    return r[2], pairs

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ccld import __version__
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.errors import CcldError, EnvironmentProblem
 from ccld.tracer import discover, ibcounters, procstate
 from ccld.tracer.nodeclock import NodeClock

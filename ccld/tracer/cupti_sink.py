@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 import msgpack
 import zmq
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.cupti import names
 
 MSG_VERSION = 1

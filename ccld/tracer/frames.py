@@ -1,7 +1,7 @@
 """One frame from what the agent queued: Events and rows.Rows, in the order they were made.
 
-The envelope is events.py's (schema 1.5): plain events as maps in "events", the hot collective kinds
-(coll, start, end) as column blocks in "blocks" (blocks.py's wire form), each block placed `at` the
+The envelope is ccld/wire/codec.py's: plain events as maps in "events", the hot collective kinds
+(coll, start, end) as column blocks in "blocks" (ccld/wire/blocks.py's form), each block placed `at` the
 number of plain events made before its first row, so a reader replays the frame in (nearly) the
 order it was made. Rows become blocks with array operations (rows.blocks); an Event of a hot kind
 (a failed end, or one made event by event elsewhere) becomes a one-row Rows first, so every block
@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Sequence
 import msgpack
 import numpy as np
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.bpf import rows as R
 from ccld.tracer.nodeclock import NodeClock
 

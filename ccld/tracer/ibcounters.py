@@ -19,7 +19,7 @@ import stat
 import time
 from typing import Callable, Dict, List
 
-from ccld import events as ev
+from ccld import wire as ev
 
 SYSFS_ROOT = "/sys/class/infiniband"
 HW_PREFIX = "hw."

@@ -18,7 +18,7 @@ import os
 import time
 from typing import Mapping, Optional
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.errors import CcldError
 
 ENV = "CCLD_TEST_CLOCK"

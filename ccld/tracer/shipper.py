@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.bpf.rows import Rows
 from ccld.tracer import frames
 from ccld.tracer.nodeclock import NodeClock

@@ -14,7 +14,7 @@ import struct
 import zlib
 from typing import Callable, List, NamedTuple, Optional, Tuple, Union
 
-# The collector acknowledges agent ids of up to 256 characters (acks.MAX_AGENT_ID): up to 4 bytes each in
+# The collector acknowledges agent ids of up to 256 characters (protocol.ACK_MAX_AGENT_ID): up to 4 bytes each in
 # UTF-8. A longer id is cut at a character (it gets no acknowledgement anyway): cut inside one, its records
 # would read back as damage.
 MAX_AGENT_ID_BYTES = 1024

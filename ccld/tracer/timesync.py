@@ -1,8 +1,8 @@
 """Clock sync with the collector: round trips to its time service, fitted into offset and drift.
 
 A thread sends a burst of BURST requests every INTERVAL_S (STEADY_BURST every STEADY_INTERVAL_S once the
-fit is full enough) to the collector's time service
-(ccld/collector/timesvc.py) over a ZeroMQ DEALER, stamping t1 and t4 with this node's clock
+fit is full enough) to the collector's time service (ccld/collector/timesvc.py; the messages are
+ccld/wire/protocol.py's) over a ZeroMQ DEALER, stamping t1 and t4 with this node's clock
 (NodeClock.now_ns(), the clock of every event the agent sends); the fastest exchange of each burst
 goes into a clockfit.OffsetFit. `latest()` is the newest estimate as a ClockSync event, which the
 shipper puts in every frame; the collector converts with it (ccld/collector/clock.py).
@@ -21,10 +21,10 @@ import threading
 import time
 from typing import Callable, List, Optional
 
-import msgpack
 import zmq
 
-from ccld import events as ev
+from ccld import wire as ev
+from ccld.wire import protocol
 from ccld.tracer.clockfit import Exchange, OffsetFit, best_of
 from ccld.tracer.nodeclock import NodeClock
 
@@ -127,7 +127,7 @@ class TimeSync:
                 time.sleep(BURST_GAP_S)
             self._seq += 1
             seq = self._seq
-            msg = msgpack.packb([seq, 0])  # t1 stays here: stamped after packing, nothing between it and send
+            msg = protocol.encode_time_request(seq)  # t1 stays here: stamped after packing, nothing between it and send
             t1 = self.clock.now_ns()
             try:
                 self._sock.send(msg, zmq.NOBLOCK)
@@ -157,15 +157,10 @@ class TimeSync:
 
     @staticmethod
     def _parse(reply: bytes, seq: int, t1: int, t4: int):
-        try:
-            r = msgpack.unpackb(reply, raw=False)
-        except Exception:
+        r = protocol.read_time_reply(reply)
+        if r is None or r.seq != seq:
             return None
-        if not isinstance(r, list) or len(r) != 5 or not all(type(v) is int for v in r):
-            return None
-        if r[0] != seq:
-            return None
-        return Exchange(t1, r[2], r[3], t4), r[4]
+        return Exchange(t1, r.t2, r.t3, t4), r.epoch
 
     def _use(self, got: List[tuple]) -> None:
         if not got:

@@ -14,7 +14,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.bpf import gloo
 from ccld.bpf.gloo import HOLD_MS, OP_NAMES, P2P_OPS, SIZED_OPS, gloo_message
 

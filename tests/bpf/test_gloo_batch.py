@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.bpf import gloo
 from ccld.bpf.rows import Rows
 from gloo_reference import ReferenceTranslator

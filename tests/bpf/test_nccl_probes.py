@@ -15,7 +15,7 @@ import pytest
 
 from recorder import Recorder, rows_of
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.bpf import nccl
 from ccld.bpf.loader import bpf_available
 

@@ -16,7 +16,7 @@ import pytest
 
 from recorder import Recorder
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.bpf import rdma
 from ccld.bpf.loader import bpf_available
 

@@ -21,7 +21,7 @@ RUN_TIMEOUT_S = 240
 
 
 def stored_events(store):
-    from ccld import events as ev
+    from ccld import wire as ev
     from ccld.collector.store import read_store
     out = []
     for _, frame in read_store(str(store)):

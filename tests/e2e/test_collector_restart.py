@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from conftest import free_port
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.store import read_meta, read_stats, read_store
 
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from conftest import bpf_skip_reason
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.store import read_store
 from ccld.diagnose.replay import replay
 

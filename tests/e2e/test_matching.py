@@ -38,7 +38,7 @@ WORLD = group(range(8))
 
 
 def read_events(store):
-    from ccld import events as ev
+    from ccld import wire as ev
     from ccld.collector.store import read_store
     problems = []
     out = [e for _, frame in read_store(store, problems) for e in ev.decode_batch(frame).events]
@@ -50,7 +50,7 @@ def test_every_group_of_a_tp_pp_dp_job_is_one_communicator_with_exactly_its_memb
     reason = bpf_skip_reason() or torch_skip_reason()
     if reason:
         pytest.skip(reason)
-    from ccld import events as ev
+    from ccld import wire as ev
     store = str(tmp_path / "store")
     cmd = fs.CCLD + ["run", "--store", store, "--findings", str(tmp_path / "f.jsonl"), "--"] + fs.workload_cmd(
         "hybrid_job.py", 8, "--steps", STEPS, "--layers", LAYERS, "--microbatches", MICRO, "--compute-ms", 0.3)

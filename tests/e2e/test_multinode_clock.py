@@ -68,7 +68,7 @@ def estimate_errors_ns(mb, stats):
 
 def raw_enters(store):
     """(comm, seq) -> {rank: (node, ts_ns on that node's clock)} from the stored frames."""
-    from ccld import events as ev
+    from ccld import wire as ev
     from ccld.collector.store import read_store
     out = {}
     for _, frame in read_store(store, []):

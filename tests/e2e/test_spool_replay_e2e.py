@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.store import read_store
 from ccld.collector.timesvc import free_port_pair
 from conftest import gloo_job_cmd

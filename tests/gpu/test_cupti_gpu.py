@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.cupti import inject
 from ccld.tracer.cupti_sink import CuptiSink
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional
 
-from ccld import events as ev
+from ccld import wire as ev
 
 T0 = 1_764_400_000.0
 

@@ -3,9 +3,9 @@ answers to "ack?", and what it learns from an existing store. No sockets."""
 import msgpack
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector import acks
-from ccld.collector.acks import DUPLICATE, AckBook, Marks, peek_resend
+from ccld.collector.acks import DUPLICATE, AckBook, Marks
 from ccld.collector.store import StoreWriter
 
 pytestmark = pytest.mark.unit
@@ -42,15 +42,15 @@ def test_a_gap_that_never_closes_is_given_up_when_too_much_sits_above_it(monkeyp
 
 
 def test_peek_reads_only_marked_envelopes():
-    assert peek_resend(frame("host:12:ab12cd", 7)) == ("host:12:ab12cd", 7)
-    assert peek_resend(frame("a", 7, resend=False)) is None
+    assert ev.peek_resend(frame("host:12:ab12cd", 7)) == ("host:12:ab12cd", 7)
+    assert ev.peek_resend(frame("a", 7, resend=False)) is None
     big = frame("a" * 255, 3, n=2000)  # the marker still found in the first bytes of a big frame
-    assert len(big) > 10_000 and peek_resend(big) == ("a" * 255, 3)
+    assert len(big) > 10_000 and ev.peek_resend(big) == ("a" * 255, 3)
     late = msgpack.packb({"v": [1, 4], "agent": "a", "node": "n", "batch": 3, "events": [], "resend": True})
-    assert peek_resend(late) is None  # after "events": not ccld's layout, not deduplicated
+    assert ev.peek_resend(late) is None  # after "events": not ccld's layout, not deduplicated
     for junk in (b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"resend": True, "agent": 1, "batch": 2}),
                  frame("a", 7)[:20]):
-        assert peek_resend(junk) is None
+        assert ev.peek_resend(junk) is None
 
 
 def test_resent_frames_are_dropped_and_acks_wait_for_the_store():

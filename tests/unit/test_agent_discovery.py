@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.tracer import discover
 from ccld.tracer.agent import Agent
 

@@ -1,4 +1,4 @@
-"""Column blocks (ccld/blocks.py): the wire shape, its validation, and that the timeline's fast path for
+"""Column blocks (ccld/wire/blocks.py): the wire shape, its validation, and that the timeline's fast path for
 them leaves exactly the state the event-by-event path leaves, on random jobs with every oddity."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import msgpack
 import pytest
 
-from ccld import blocks
-from ccld import events as ev
+from ccld import wire as ev
+from ccld.wire import blocks
 from ccld.collector.ingest import IngestCounters, decode_frame
 from ccld.collector.timeline import Timeline
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector import clockrefine
 from ccld.collector.clock import (WALL_UNCERTAINTY_NS, ClockTable, clock_evidence, format_clock_lines,
                                   ranks_clock_evidence)

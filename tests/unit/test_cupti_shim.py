@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.cupti import shim as shim_mod
 from ccld.cupti.capture import CaptureConfig
 from ccld.cupti.shim import Shim, parse_mode, should_start

@@ -5,7 +5,7 @@ import msgpack
 import pytest
 import zmq
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.tracer.cupti_sink import LOSS_EVERY_S, CuptiSink
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.metrics import MetricsServer
 from ccld.collector.server import Collector
 from ccld_synth import SynthJob, SynthLinks

@@ -4,7 +4,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.ingest import IngestCounters, decode_frame
 
 pytestmark = pytest.mark.unit

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.store import StoreWriter
 from ccld.export.chrome import export_chrome
 

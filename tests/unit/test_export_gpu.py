@@ -9,7 +9,7 @@ import json
 import msgpack
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.store import StoreWriter
 from ccld.export.chrome import export_chrome
 from ccld.export.perfetto import export_perfetto

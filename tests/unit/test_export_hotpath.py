@@ -17,7 +17,7 @@ import sys
 import msgpack
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.store import StoreWriter
 from ccld.export import accel, export_trace
 
@@ -359,7 +359,7 @@ def test_a_wide_collective_grows_the_c_buffer_alike(tmp_path):
 # ---- random stores: every shape the row loops take or hand on, C and Python alike -----------------
 
 ROW_FIELDS = {"coll": ("seq", "pid", "rank", "ts_ns", "tid"), "start": ("seq", "pid", "rank", "ts_ns"),
-              "end": ("seq", "pid", "rank", "ts_ns")}  # ccld/blocks.py's columns
+              "end": ("seq", "pid", "rank", "ts_ns")}  # ccld/wire/blocks.py's columns
 # ints past int64 (msgpack's range is -2^63..2^64-1), negatives, bools (an int column lets them through)
 ODD_INTS = (0, -1, True, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, -2 ** 63)
 # clock offsets (Unix ns - node ns): Unix time (9-byte varints: the C encodes them); an early one (shorter
@@ -458,7 +458,7 @@ def random_store(path, seed: int, huge_world: bool = True) -> None:
 
 def _random_blocks(rnd, evs):
     """A frame's events as (map events, column blocks), blocks of one kind and shared fields as
-    ccld/blocks.py makes them, then shuffled about: a row field shared when all rows agree, a shared
+    ccld/wire/blocks.py makes them, then shuffled about: a row field shared when all rows agree, a shared
     field made a column (the general path), a ts_ns damaged (the block dropped), rows unsorted, `at` moved."""
     plain, blocks = [], {}
     for e in evs:

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.ingest import IngestCounters, decode_frame
 
 from test_events_schema import ONE_OF_EACH

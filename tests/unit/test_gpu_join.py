@@ -2,7 +2,7 @@
 real frames and the Timeline, in order, out of order, coalesced, several communicators, stream order."""
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.gpu import MAX_LAUNCH_LAG_NS
 from ccld.collector.timeline import Timeline
 from ccld_synth import T0, FakeAgent

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 
 from ccld.collector.timeline import Timeline
 from ccld.diagnose import Diagnoser, hang

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.tracer import ibcounters
 
 pytestmark = pytest.mark.unit

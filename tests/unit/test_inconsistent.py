@@ -2,7 +2,7 @@
 majority vote, before the hang they cause; a skipped collective is recognised as such."""
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.timeline import Timeline
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import format_line

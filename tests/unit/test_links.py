@@ -1,7 +1,7 @@
 """The link table (collector) and the link localisers (diagnose), on synthetic jobs sent as real frames."""
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector import links as lk
 from ccld.collector.timeline import Timeline
 from ccld.diagnose import hang

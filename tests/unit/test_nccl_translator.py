@@ -8,7 +8,7 @@ import ctypes as ct
 import numpy as np
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.bpf import nccl
 from ccld.bpf.rows import Rows
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.errors import CcldError
 from ccld.tracer import shipper as sh
 from ccld.tracer.nodeclock import ENV, MONO_FIELDS, NOT_MONO_FIELDS, NodeClock

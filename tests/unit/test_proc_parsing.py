@@ -16,7 +16,7 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.tracer import discover, procstate
 from ccld.tracer.procstate import ProcParseError, Stat, parse_stat
 

@@ -4,7 +4,7 @@ import collections
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector import rdma as rdm
 from ccld.collector.rdma import RdmaTable
 from ccld.collector.timeline import Timeline

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.store import StoreError, StoreWriter
 from ccld.collector.timeline import Timeline
 from ccld.diagnose import Diagnoser

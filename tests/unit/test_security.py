@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.server import Collector
 from ccld.errors import CcldError
 from ccld.security import ClientKeys, ServerKeys, is_loopback, make_keypair

@@ -6,7 +6,7 @@ import time
 import pytest
 import zmq
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.tracer import shipper as sh
 
 pytestmark = pytest.mark.unit

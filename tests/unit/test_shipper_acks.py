@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.server import Collector
 from ccld.collector.store import read_store
 from ccld.tracer import shipper as sh

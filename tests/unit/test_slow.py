@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector.timeline import Timeline
 from ccld.diagnose import Diagnoser, links, slow
 from ccld.diagnose.findings import Finding, format_line

@@ -7,7 +7,7 @@ import resource
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.tracer import spool as sp
 
 pytestmark = pytest.mark.unit

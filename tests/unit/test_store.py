@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector import store as st
 from ccld.errors import CcldError
 

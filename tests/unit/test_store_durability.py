@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector import store as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -119,7 +119,7 @@ def test_a_failing_disk_loses_no_accepted_frame(tmp_path, monkeypatch):
 CHILD = textwrap.dedent("""
     import os, signal, sys
     from ccld.collector import store as st
-    from ccld import events as ev
+    from ccld import wire as ev
     d, n, m = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     def frame(i):
         return ev.encode_batch("agent-0", "node-0", i, [ev.ClockSample(mono_ns=i, wall_ns=10 + i, ts_ns=i)])

@@ -1,7 +1,7 @@
 """The timeline joins 4 ranks on 2 nodes (own monotonic epochs) into collectives, with exact counts."""
 import pytest
 
-from ccld import events as ev
+from ccld import wire as ev
 from ccld.collector import timeline as tlm
 from ccld.collector.timeline import Timeline
 

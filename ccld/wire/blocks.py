@@ -12,7 +12,8 @@ one kind that agree on every field but the per-rank ones, as columns:
 `at` is how many entries of the frame's "events" list came before the block's first event, so a
 reader can replay the frame in (nearly) the order it was made: a block's rows are placed together at
 its first row. Any field may be in `same` or in `cols`; a reader must accept both. Times: as in
-events.py (the sender's CLOCK_MONOTONIC ns); nothing here converts them.
+schema.py (the sender's CLOCK_MONOTONIC ns); nothing here converts them. Values are checked by the
+same validator as maps' (validate.py).
 Caveat: a block that fails validation is dropped whole and its rows counted as bad events by reason;
 the frame's other blocks and events are kept.
 """
@@ -22,9 +23,10 @@ import bisect
 import dataclasses
 import itertools
 import operator
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
-from ccld import events as ev
+from ccld.wire.schema import EVENT_TYPES, Event, field_types
+from ccld.wire.validate import MAX_EVENTS_PER_FRAME, FrameError, Rejects, column_problem, read_spec, show, type_problem
 
 # kind -> the fields that differ from event to event (columns); every other field is shared by a block.
 # seq is a column so that one block holds a whole frame's worth of one communicator's collectives:
@@ -34,7 +36,6 @@ ROW_FIELDS: Dict[str, Tuple[str, ...]] = {
     "start": ("seq", "pid", "rank", "ts_ns"),
     "end": ("seq", "pid", "rank", "ts_ns"),
 }
-_SIMPLE_TYPES = {"int": int, "str": str, "bool": bool}
 
 
 class Block:
@@ -44,9 +45,9 @@ class Block:
     def __init__(self, kind: str, n: int, at: int, same: Dict[str, Any], cols: Dict[str, List[Any]]):
         self.kind, self.n, self.at, self.same, self.cols = kind, n, at, same, cols
 
-    def rows(self) -> List[ev.Event]:
+    def rows(self) -> List[Event]:
         """The block as event objects (the slow, general way to read it)."""
-        cls, req, opt, defaults, factories = ev._spec(ev.EVENT_TYPES[self.kind])
+        cls, req, opt, defaults, factories = read_spec(EVENT_TYPES[self.kind])
         base = dict(defaults)
         base.update(self.same)
         names = list(self.cols)
@@ -62,7 +63,7 @@ class Block:
             out.append(e)
         return out
 
-    def _value_rows(self, names: List[str]) -> Iterator[tuple]:
+    def _value_rows(self, names: List[str]) -> Iterator[Tuple[Any, ...]]:
         """Each row's values of the columns `names`; n empty rows when every field is shared (n
         identical events: zip of no columns would give none)."""
         if not names:
@@ -98,12 +99,12 @@ def _getters(cls: type, rowf: Tuple[str, ...]) -> Tuple[Tuple[str, ...], Any, An
     return got
 
 
-def split(events: Sequence[ev.Event]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+def split(events: Sequence[Event]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """(wire maps of the events that stay maps, blocks) for one frame, in the shape described above.
     Rows of a block are sorted by seq (stable), so each collective's rows are one run: readers rely on
     that for speed, though they must accept any order."""
     plain: List[Dict[str, Any]] = []
-    blocks: Dict[tuple, Tuple[Dict[str, Any], List[tuple]]] = {}
+    blocks: Dict[Tuple[Any, ...], Tuple[Dict[str, Any], List[Tuple[Any, ...]]]] = {}
     for e in events:
         rowf = ROW_FIELDS.get(e.KIND)
         if rowf is None:
@@ -130,97 +131,75 @@ _first = operator.itemgetter(0)
 
 # ---- reading -------------------------------------------------------------------------------------
 
-def _column_problem(declared: str, col: list) -> Optional[str]:
-    """None when every value of `col` has the declared type, else what the first odd one is."""
-    exact = _SIMPLE_TYPES.get(declared)
-    if exact is not None:
-        kinds = set(map(type, col))  # one C-level pass: exact types, so True is not an int
-        if kinds <= {exact}:
-            return None
-        odd = next(t for t in kinds if t is not exact)
-        return f"a {odd.__name__}"
-    for v in col:
-        got = ev._type_problem(declared, v)
-        if got is not None:
-            return got
-    return None
-
-
 def read_block(raw: Any, n_events: int) -> Block:
     """Validate one wire block (a frame with `n_events` plain events). Raises FrameError naming the field."""
     if type(raw) is not dict:
-        raise ev.FrameError("bad-block", f"block is a {type(raw).__name__}, not a map")
+        raise FrameError("bad-block", f"block is a {type(raw).__name__}, not a map")
     kind = raw.get("k")
     if type(kind) is not str:
-        raise ev.FrameError("bad-block", f"block kind (field 'k') should be str, got {type(kind).__name__}")
-    cls = ev.EVENT_TYPES.get(kind)
+        raise FrameError("bad-block", f"block kind (field 'k') should be str, got {type(kind).__name__}")
+    cls = EVENT_TYPES.get(kind)
     if cls is None:
-        raise ev.FrameError("unknown-kind", f"unknown event kind {ev._show(kind)} in a block")
+        raise FrameError("unknown-kind", f"unknown event kind {show(kind)} in a block")
     n, at, same, cols = raw.get("n"), raw.get("at", 0), raw.get("same", {}), raw.get("cols")
-    if type(n) is not int or n < 1 or n > ev.MAX_EVENTS_PER_FRAME:
-        raise ev.FrameError("bad-block", f"block of {kind!r}: 'n' should be an int in 1..{ev.MAX_EVENTS_PER_FRAME}, "
-                                         f"got {ev._show(n)}")
+    if type(n) is not int or n < 1 or n > MAX_EVENTS_PER_FRAME:
+        raise FrameError("bad-block", f"block of {kind!r}: 'n' should be an int in 1..{MAX_EVENTS_PER_FRAME}, "
+                                      f"got {show(n)}")
     if type(at) is not int or not 0 <= at <= n_events:
-        raise ev.FrameError("bad-block", f"block of {kind!r}: 'at' should be an int in 0..{n_events}, got {ev._show(at)}")
+        raise FrameError("bad-block", f"block of {kind!r}: 'at' should be an int in 0..{n_events}, got {show(at)}")
     if type(same) is not dict or type(cols) is not dict:
-        raise ev.FrameError("bad-block", f"block of {kind!r}: 'same' and 'cols' should be maps")
-    req, opt = ev._fields(cls)
+        raise FrameError("bad-block", f"block of {kind!r}: 'same' and 'cols' should be maps")
+    req, opt = field_types(cls)
     known_same, known_cols = {}, {}
     for name, value in same.items():
         declared = req.get(name) or opt.get(name) if type(name) is str else None
         if declared is None:
             continue  # an unknown field: a newer minor version may add some
-        got = ev._type_problem(declared, value)
+        got = type_problem(declared, value)
         if got is not None:
-            raise ev.FrameError("bad-field", f"block of {kind!r}: field {name!r} should be {declared}, got {got}")
+            raise FrameError("bad-field", f"block of {kind!r}: field {name!r} should be {declared}, got {got}")
         known_same[name] = value
     for name, col in cols.items():
         declared = req.get(name) or opt.get(name) if type(name) is str else None
         if declared is None:
             continue
         if type(col) is not list or len(col) != n:
-            raise ev.FrameError("bad-block", f"block of {kind!r}: column {name!r} should be a list of {n}, got "
-                                             f"{type(col).__name__}{' of ' + str(len(col)) if type(col) is list else ''}")
-        got = _column_problem(declared, col)
+            raise FrameError("bad-block", f"block of {kind!r}: column {name!r} should be a list of {n}, got "
+                                          f"{type(col).__name__}{' of ' + str(len(col)) if type(col) is list else ''}")
+        got = column_problem(declared, col)
         if got is not None:
-            raise ev.FrameError("bad-field", f"block of {kind!r}: column {name!r} should hold {declared}, has {got}")
+            raise FrameError("bad-field", f"block of {kind!r}: column {name!r} should hold {declared}, has {got}")
         if name in known_same:
-            raise ev.FrameError("bad-block", f"block of {kind!r}: field {name!r} is both shared and a column")
+            raise FrameError("bad-block", f"block of {kind!r}: field {name!r} is both shared and a column")
         known_cols[name] = col
     for name in req:
         if name not in known_same and name not in known_cols:
-            raise ev.FrameError("missing-field", f"block of {kind!r}: missing field {name!r}")
+            raise FrameError("missing-field", f"block of {kind!r}: missing field {name!r}")
     if n > 1 and not known_cols:
         # n identical events (not even ts_ns differs): nothing makes them, and a few bytes would cost
         # the collector n events' work (a column costs the sender a byte a row at least)
-        raise ev.FrameError("bad-block", f"block of {kind!r}: {n} rows but no column")
+        raise FrameError("bad-block", f"block of {kind!r}: {n} rows but no column")
     return Block(kind, n, at, known_same, known_cols)
 
 
-def read_blocks(raw: Any, n_events: int, minor: int, agent: str, batch: int,
-                errors: List[ev.FrameError], bad_counts: Dict[str, int]) -> Tuple[List[Block], int]:
+def read_blocks(raw: Any, n_events: int, rejects: Rejects) -> Tuple[List[Block], int]:
     """(good blocks, events skipped as of unknown kinds) from a frame's "blocks" list. Bad blocks are
-    dropped, each of their events counted in `bad_counts` by reason and the first few kept in `errors`."""
+    dropped, each of their events counted in `rejects`."""
     if type(raw) is not list:
-        raise ev.FrameError("bad-envelope", f"frame envelope field 'blocks' is not a list (got {type(raw).__name__})")
+        raise FrameError("bad-envelope", f"frame envelope field 'blocks' is not a list (got {type(raw).__name__})")
     out: List[Block] = []
     skipped = total = 0
     for i, b in enumerate(raw):
         n = b.get("n") if type(b) is dict else None
-        weight = n if type(n) is int and 0 < n <= ev.MAX_EVENTS_PER_FRAME else 1
+        weight = n if type(n) is int and 0 < n <= MAX_EVENTS_PER_FRAME else 1
         total += weight
-        if total > ev.MAX_EVENTS_PER_FRAME:
-            raise ev.FrameError("too-many-items", f"frame's blocks hold more than {ev.MAX_EVENTS_PER_FRAME} events "
-                                                  f"(the most a frame may carry)")
+        if total > MAX_EVENTS_PER_FRAME:
+            raise FrameError("too-many-items", f"frame's blocks hold more than {MAX_EVENTS_PER_FRAME} events "
+                                               f"(the most a frame may carry)")
         try:
             out.append(read_block(b, n_events))
-        except ev.FrameError as e:
-            if e.reason == "unknown-kind" and minor > ev.SCHEMA_MINOR:
-                skipped += weight
-                continue
-            bad_counts[e.reason] = bad_counts.get(e.reason, 0) + weight
-            if len(errors) < ev.MAX_ERRORS_KEPT:
-                errors.append(ev.FrameError(e.reason, f"agent {ev._show(agent)} batch {batch} block #{i}: {e}"))
+        except FrameError as e:
+            skipped += rejects.drop(e, f"block #{i}", weight)
     return out, skipped
 
 
@@ -281,7 +260,7 @@ def in_order(plain: List[Any], blocks: List[Block]) -> Iterator[Any]:
             yield e
         else:
             later.append(e)
-    runs = []
+    runs: List[Tuple[int, int, int, int, int, Block]] = []
     for k, b in enumerate(blocks):
         order = KIND_ORDER.get(b.kind, 3)
         runs.extend((seq, order, k, i, j, b) for seq, i, j in seq_runs(b))
@@ -291,7 +270,7 @@ def in_order(plain: List[Any], blocks: List[Block]) -> Iterator[Any]:
     yield from later
 
 
-def run_rows(b: Block, seq: int, i: int, j: int) -> List[ev.Event]:
+def run_rows(b: Block, seq: int, i: int, j: int) -> List[Event]:
     """Rows i:j of block `b` as event objects."""
     if i == 0 and j == b.n:
         return b.rows()
@@ -310,7 +289,7 @@ def expand(env: Dict[str, Any]) -> List[Any]:
     for b in raw:
         try:
             good.append(read_block(b, len(evs)))
-        except ev.FrameError:
+        except FrameError:
             continue
     out: List[Any] = []
     for item in in_order(evs, good):
