@@ -30,13 +30,30 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from overhead import JOB_ARGS, STEP_RX  # noqa: E402
 
-WARM_S = 8.0  # after the agent says it traces: its first scans and attaches are over
+WARM_S = 35.0  # after the agent says it traces: its first scans and attaches are over, and its /proc
+              # scans have slowed to their steady pace (agent.py STABLE_S)
 
 
 def cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> Dict[str, float]:
+    """CPU seconds (utime+stime) of each of pid's threads, by "name (tid)": what the kernel charged,
+    not what sampling saw."""
+    out: Dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                head, _, rest = f.read().rpartition(")")
+        except OSError:
+            continue  # the thread ended
+        fields = rest.split()
+        name = head.split("(", 1)[1]
+        out[f"{name} ({tid})"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def parse_raw(path: str) -> List[Tuple[str, List[str], int]]:
@@ -115,14 +132,17 @@ def main() -> None:
         if "tracing" not in first:
             raise SystemExit(f"the agent did not start: {first}{agent.stdout.read()[:2000]}")
         time.sleep(WARM_S)
-        c0, t0 = cpu_s(agent.pid), time.monotonic()
-        subprocess.run(["py-spy", "record", "-p", str(agent.pid), "--threads", "--rate", str(a.rate),
+        c0, t0, th0 = cpu_s(agent.pid), time.monotonic(), thread_cpu(agent.pid)
+        subprocess.run([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "-p", str(agent.pid), "--threads", "--rate", str(a.rate),
                         "--duration", str(int(a.seconds)), "--format", "raw", "--output", raw, "--nonblocking"],
                        check=True, capture_output=True, timeout=a.seconds + 60)
-        c1, t1 = cpu_s(agent.pid), time.monotonic()
+        c1, t1, th1 = cpu_s(agent.pid), time.monotonic(), thread_cpu(agent.pid)
         print(f"agent {first.strip()}")
         print(f"agent CPU over the profile: {100 * (c1 - c0) / (t1 - t0):.2f} % of one core "
-              f"(py-spy --nonblocking: it reads the agent's memory without stopping it)\n")
+              f"(py-spy --nonblocking: it reads the agent's memory without stopping it)")
+        per = sorted(((th1[k] - th0.get(k, 0.0), k) for k in th1), reverse=True)
+        print("per thread (kernel's count): " + ", ".join(f"{k} {100 * d / (t1 - t0):.2f} %"
+                                                         for d, k in per if d > 0) + "\n")
         print("\n".join(report(parse_raw(raw), a.top)))
     finally:
         if agent is not None:

@@ -32,8 +32,11 @@ from ccld.tracer.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_BYTES, Spool
 
 log = logging.getLogger("ccld.agent")
 
-POLL_MS = 100             # ring-buffer drain period while records come, = the shipper's tick: records wait
-                          # at most this long in the kernel (the ring buffers hold seconds of a busy node)
+POLL_MS = 250             # ring-buffer drain period while records come: records wait at most this long in
+                          # the kernel (the 4 MiB ring buffers hold ~0.7 s of 20,000 collectives/s), a hang
+                          # is judged over seconds, and each drain has a fixed cost (~0.5 ms of numpy calls
+                          # in the gloo translator, a frame in the shipper): at 100 ms that fixed cost was
+                          # half of the agent's CPU on a busy job (bench/agent_profile.py)
 IDLE_POLL_MS = 500        # ... and, the drains finding nothing, the period doubles up to this: each wakeup
                           # of the loop costs ~0.1 ms of CPU here, and a quiet job should not pay 10 a
                           # second; the first records after a quiet spell wait at most this long
