@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 
 from ccld import wire as ev  # noqa: E402
-from ccld.collector.timeline import Timeline  # noqa: E402
+from ccld.timeline.timeline import Timeline  # noqa: E402
 from ccld.diagnose import Diagnoser, links  # noqa: E402
 from results import write_section  # noqa: E402
 

@@ -57,9 +57,9 @@ def errors_over_time(mb, stats):
     """node -> [(s since that agent's first estimate, error final ns, error round trips only ns,
     stated uncertainty ns, source)], by replaying the store through a Timeline."""
     from ccld import wire as ev
-    from ccld.collector.ingest import IngestCounters, ingest_frame
-    from ccld.collector.store import read_store
-    from ccld.collector.timeline import Timeline
+    from ccld.store import read_store
+    from ccld.timeline.ingest import IngestCounters, ingest_frame
+    from ccld.timeline.timeline import Timeline
     anchor = stats["time_service"]["anchor_ns"]
     tl, counters = Timeline(), IngestCounters()
     rows, first = {}, {}

@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ccld import wire as ev  # noqa: E402
-from ccld.collector.store import StoreWriter  # noqa: E402
+from ccld.store import StoreWriter  # noqa: E402
 from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 RESULTS = os.path.join(ROOT, "bench", "RESULTS.md")
@@ -131,7 +131,7 @@ from ccld.export import accel
 t0, c0 = time.monotonic(), time.process_time()  # the run's own time: not the interpreter's start
 if mode == "decode":
     import msgpack
-    from ccld.collector.store import read_store
+    from ccld.store import read_store
     n = 0
     for _, f in read_store(store):
         env = msgpack.unpackb(f, raw=False, strict_map_key=False)

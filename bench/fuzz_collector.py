@@ -42,7 +42,7 @@ import zmq  # noqa: E402
 
 from ccld import wire as ev  # noqa: E402
 from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
-from ccld.collector.ingest import IngestCounters, decode_frame  # noqa: E402
+from ccld.timeline.ingest import IngestCounters, decode_frame  # noqa: E402
 
 GOOD_EVERY = 10          # one good frame per 10: enough to prove good frames survive a flood of junk
 GOOD_EVENTS = 3          # collective entries per good frame (plus its clock sample)
@@ -468,7 +468,7 @@ def results_md(r: Dict[str, Any], cmd: str) -> str:
         f"{r['rss_peak_mib']} MiB (growth {r['rss_growth_mib']} MiB) |",
         f"| problems | {'; '.join(r['problems']) or 'none'} |",
         "",
-        "Found by this fuzzing and fixed (ccld/wire/codec.py, ccld/collector/ingest.py): an event kind that is a",
+        "Found by this fuzzing and fixed (ccld/wire/codec.py, ccld/timeline/ingest.py): an event kind that is a",
         "list or map escaped `decode_batch` as TypeError (frame lost uncounted, ingest thread slept 100 ms per",
         "frame); a version nested ~1000 deep escaped as RecursionError (from its repr in the message); a",
         "16 MiB frame of one-byte junk events took 7 GiB and 80 s (one exception kept per event; now at most",

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ccld import wire as ev  # noqa: E402
 from ccld.collector.acks import AckBook  # noqa: E402
-from ccld.collector.store import StoreWriter, read_store  # noqa: E402
+from ccld.store import StoreWriter, read_store  # noqa: E402
 from ccld.tracer import shipper as sh  # noqa: E402
 from ccld.tracer.spool import Spool  # noqa: E402
 from ccld.collector.timesvc import free_port_pair  # noqa: E402

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ccld import wire as ev  # noqa: E402
 from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
-from ccld.collector import store as st  # noqa: E402
+from ccld import store as st  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 

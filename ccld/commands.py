@@ -181,8 +181,8 @@ def cmd_diagnose(args) -> int:
 
 
 def cmd_links(args) -> int:
-    from ccld.collector.links import format_table
-    from ccld.collector.ingest import load_timeline
+    from ccld.timeline.ingest import load_timeline
+    from ccld.timeline.links import format_table
     tl = load_timeline(args.store)
     rows = tl.links.table(args.job)
     if args.json:

@@ -2,7 +2,7 @@
 
 Every ibv_create_qp / ibv_modify_qp / ibv_destroy_qp a traced rank makes becomes one QpInfo: the QP's
 number, the state it is moved to, and, on the move to RTR, the remote QP number, GID and LID that tie
-it to a peer rank (the collector joins the two ends: ccld/collector/rdma.py). Times stay CLOCK_MONOTONIC
+it to a peer rank (the collector joins the two ends: ccld/timeline/rdma.py). Times stay CLOCK_MONOTONIC
 ns. Only the default-version symbols are probed (see elfver.py): libibverbs' IBVERBS_1.0 compat entries
 take a different struct layout and call the default ones, whose probes see the call anyway.
 

@@ -107,7 +107,7 @@ class AckBook:
         self.rebuild(store_dir)
 
     def rebuild(self, store_dir: str) -> None:
-        from ccld.collector.store import read_store
+        from ccld.store import read_store
         t0 = time.monotonic()
         n = 0
         for _, frame in read_store(store_dir, []):

@@ -28,9 +28,6 @@ import zmq
 
 from ccld import wire as ev
 from ccld.collector.acks import DUPLICATE, AckBook
-from ccld.collector.ingest import IngestCounters, decode_frame
-from ccld.collector.store import StoreWriter
-from ccld.collector.timeline import Timeline
 from ccld.collector.timesvc import start_time_service
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import Finding, format_line
@@ -39,6 +36,10 @@ from ccld.diagnose.hang import AGENT_SILENT_S
 from ccld.diagnose.stack import StackTaker
 from ccld.errors import CcldError
 from ccld.security import ServerKeys, check_listen, secure_server
+from ccld.store import StoreWriter
+from ccld.timeline.ingest import IngestCounters, decode_frame
+from ccld.timeline.timeline import Timeline
+from ccld.tracer.discover import is_rank
 
 log = logging.getLogger("ccld.collector")
 
@@ -98,7 +99,8 @@ class Collector:
         self.timeline = Timeline()
         self.counters = IngestCounters()
         self.acks = AckBook()  # resent frames dropped, agents' "ack?" answered (acks.py)
-        self.diagnoser = Diagnoser(self.timeline, floor_s=floor_s, k=k, stacks=StackTaker() if stacks else None)
+        self.diagnoser = Diagnoser(self.timeline, floor_s=floor_s, k=k,
+                                   stacks=StackTaker(is_rank) if stacks else None)
         self.tracker = FindingTracker()
         self._silent_agents: set = set()
         self.findings: List[Finding] = []

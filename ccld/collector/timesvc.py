@@ -39,15 +39,6 @@ class TimeServiceError(CcldError):
     pass
 
 
-def default_time_endpoint(endpoint: str) -> Optional[str]:
-    """tcp://HOST:PORT -> tcp://HOST:PORT+1 (the time service's default); None when it has no port
-    (ipc://, a wildcard port)."""
-    m = re.match(r"^(tcp://.+):(\d+)$", endpoint or "")
-    if not m or not 0 < int(m.group(2)) < 65535:
-        return None
-    return f"{m.group(1)}:{int(m.group(2)) + 1}"
-
-
 class TimeService:
     def __init__(self, listen: str, keys=None, on_refused: Callable[[str], None] = print, acks=None):
         self.listen = listen
@@ -178,7 +169,7 @@ def start_time_service(events_endpoint: str, time_listen: Optional[str], keys,
         return None
     if time_listen != "auto":
         return TimeService(time_listen, keys, say, acks).start()
-    want = default_time_endpoint(events_endpoint)
+    want = protocol.default_time_endpoint(events_endpoint)
     if want is not None:
         try:
             return TimeService(want, keys, say, acks).start()

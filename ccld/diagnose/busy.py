@@ -1,6 +1,6 @@
 """Compute-slow from blocked time: the rank whose own work grew while the others wait for it.
 
-Every rank's time splits into waiting in communication (collector/blocked.py: collectives entered
+Every rank's time splits into waiting in communication (timeline/blocked.py: collectives entered
 and not ended, p2p ops waited on) and its own work (1 - blocked share). When one rank's work grows
 (a slower stage, more compute, a CPU hog next to it), it waits less and everyone downstream of it
 waits more: in a pipeline the stages after it wait in recv and the ones before it in send, however
@@ -29,11 +29,11 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ccld.collector.blocked import BUCKET_S, JobBlocked
-from ccld.collector.timeline import Comm, Timeline
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.hang import EVIDENCE_RANKS, rank_evidence
 from ccld.diagnose.slow import _cause
+from ccld.timeline.blocked import BUCKET_S, JobBlocked
+from ccld.timeline.timeline import Comm, Timeline
 
 RECENT_S = 10.0        # the window judged: several pipeline steps even on a slow job
 SETTLE_S = 2.0         # ... ending this long ago: a wait is counted when it ends, and ends take a drain to arrive

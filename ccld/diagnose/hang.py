@@ -38,7 +38,7 @@ import heapq
 import re
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ccld.collector.timeline import Comm, CollView, RankRecord, Timeline
+from ccld.timeline.timeline import Comm, CollView, RankRecord, Timeline
 from ccld.diagnose import waits
 from ccld.diagnose.findings import STATE_NAMES, Finding, short_comm
 

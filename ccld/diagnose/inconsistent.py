@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ccld.collector.timeline import Comm, CollView, Timeline
+from ccld.timeline.timeline import Comm, CollView, Timeline
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.hang import EVIDENCE_RANKS, rank_evidence
 

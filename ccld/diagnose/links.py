@@ -26,10 +26,10 @@ import zlib
 from dataclasses import dataclass, field
 from typing import AbstractSet, Deque, Dict, List, NamedTuple, Optional, Tuple
 
-from ccld.collector.links import PairBaseline, PairSummary
-from ccld.collector.timeline import CollView, Comm, Timeline
 from ccld.diagnose import waits
 from ccld.diagnose.findings import Finding
+from ccld.timeline.links import PairBaseline, PairSummary
+from ccld.timeline.timeline import CollView, Comm, Timeline
 
 MIN_LINK_RETRANS = 2       # retransmissions since a hang began that make a link suspect (RTOs back off:
                            # 0.2, 0.4, 0.8 s ... so a dead link shows 3-5 within the 5 s hang floor)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from ccld.collector.timeline import Comm, Timeline
+from ccld.timeline.timeline import Comm, Timeline
 from ccld.diagnose import waits
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.hang import (BUSY_FLOOR_S, EVIDENCE_RANKS, FAILED_GRACE_S, K, Activity, Blindness, _dead,

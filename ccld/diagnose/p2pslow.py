@@ -1,7 +1,7 @@
 """Communication-slow from p2p transfers: the stream between two ranks whose transfers take far longer
 than they used to (a slow or lossy link between two pipeline stages).
 
-A transfer of stream a -> b (the n-th send of a to b with the n-th recv of b from a, collector/p2p.py)
+A transfer of stream a -> b (the n-th send of a to b with the n-th recv of b from a, timeline/p2p.py)
 takes from when both sides had posted it to when the receiver's side was over. Each stream's
 transfers, as they complete, go into BUCKET_S buckets of their median time (a ring of BUCKETS); each
 tick, a stream is slow when its median over the RECENT_S before SETTLE_S ago is >= SLOW_FACTOR x its
@@ -21,9 +21,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from ccld.collector.timeline import Comm, Timeline
 from ccld.diagnose import links
 from ccld.diagnose.findings import Finding
+from ccld.timeline.timeline import Comm, Timeline
 
 BUCKET_S = 2.0         # transfers summarised per 2 s: a pipeline moves many per second
 BUCKETS = 300          # 10 minutes of a stream's history

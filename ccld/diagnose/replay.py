@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from ccld.collector.clock import format_clock_lines
-from ccld.collector.ingest import IngestCounters, ingest_frame
-from ccld.collector.store import list_segments, read_meta, read_stats, read_store
-from ccld.collector.timeline import Timeline
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.tracker import FindingTracker
+from ccld.store import list_segments, read_meta, read_stats, read_store
+from ccld.timeline.clock import format_clock_lines
+from ccld.timeline.ingest import IngestCounters, ingest_frame
+from ccld.timeline.timeline import Timeline
 
 STEP_S = 0.5              # same period as the live collector's detection tick
 MAX_STEPS_PER_GAP = 2000  # bounds the work of an hour-long silence to a few thousand ticks
@@ -115,5 +115,5 @@ def format_report(report: Dict[str, Any]) -> List[str]:
     for agent, c in sorted((report.get("agent_loss") or {}).items()):
         counts(f"agent {agent} lost", c)
     counts("timeline anomalies", report.get("anomalies"))
-    out += format_clock_lines(report.get("clock"))  # per node: offset, drift, uncertainty (collector/clock.py)
+    out += format_clock_lines(report.get("clock"))  # per node: offset, drift, uncertainty (timeline/clock.py)
     return out

@@ -35,7 +35,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ccld.collector.timeline import Comm, CollView, Timeline
+from ccld.timeline.timeline import Comm, CollView, Timeline
 from ccld.diagnose.findings import Finding, short_comm
 from ccld.diagnose.hang import EVIDENCE_RANKS, rank_evidence
 

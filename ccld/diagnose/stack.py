@@ -90,22 +90,15 @@ def dump(pid: int, exe: str, timeout_s: float = TIMEOUT_S, nonblocking: bool = F
     return out, None, took
 
 
-def is_rank(pid: int, rank: int) -> bool:
-    """True when `pid` is (still) a training process of global rank `rank`, from its environment:
-    a pid reused by another process since the agent reported it must not be paused by py-spy."""
-    from ccld.tracer.discover import identify
-    ident = identify(pid)
-    return ident is not None and ident.rank == rank
-
-
 class StackTaker:
-    """Adds py-spy stacks to findings. `node` is this machine's name as agents report it (they use
-    socket.gethostname()); `exe` None means find py-spy; `run` is subprocess.run and `check` is
-    is_rank (tests pass fakes)."""
+    """Adds py-spy stacks to findings. `check(pid, rank)` says whether `pid` is still that rank's
+    process, so a reused pid is never paused (the collector passes tracer.discover.is_rank; tests pass
+    fakes); `node` is this machine's name as agents report it (they use socket.gethostname()); `exe`
+    None means find py-spy; `run` is subprocess.run."""
 
-    def __init__(self, node: Optional[str] = None, exe: Optional[str] = None, timeout_s: float = TIMEOUT_S,
-                 max_bytes: int = MAX_BYTES, max_ranks: int = MAX_RANKS, budget_s: float = BUDGET_S,
-                 run: Callable[..., Any] = subprocess.run, check: Callable[[int, int], bool] = is_rank):
+    def __init__(self, check: Callable[[int, int], bool], node: Optional[str] = None, exe: Optional[str] = None,
+                 timeout_s: float = TIMEOUT_S, max_bytes: int = MAX_BYTES, max_ranks: int = MAX_RANKS,
+                 budget_s: float = BUDGET_S, run: Callable[..., Any] = subprocess.run):
         self.node = node if node is not None else socket.gethostname()
         self.exe = exe if exe is not None else find_py_spy()
         self.timeout_s, self.max_bytes, self.max_ranks, self.budget_s = timeout_s, max_bytes, max_ranks, budget_s

@@ -23,8 +23,8 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ccld.collector.p2p import COMPLEMENT, P2POp
-from ccld.collector.timeline import Comm, CollView, Timeline
+from ccld.timeline.p2p import COMPLEMENT, P2POp
+from ccld.timeline.timeline import Comm, CollView, Timeline
 from ccld.diagnose.findings import Finding, short_comm
 
 MAX_HOPS = 8          # depth of a chain followed from one waited-for rank

@@ -1,7 +1,7 @@
 """The trace's clock tracks: each agent's round-trip clock estimate (ClockSync) as counters.
 
 Called by model.TraceModel for every "clock_sync" event: the estimate goes into the model's
-ClockTable (collector/clock.py, the one conversion), so the events that follow convert with it, and
+ClockTable (timeline/clock.py, the one conversion), so the events that follow convert with it, and
 three counters under the `ccld` group show it per agent: `AGENT clock offset s` (collector minus
 node, at the estimate), `AGENT clock drift ppm` and `AGENT clock uncertainty us`.
 Times: collector Unix ns. Caveats: the export adds one offset per frame (the estimate evaluated at

@@ -2,7 +2,7 @@
 each rank's process track, a slice per kernel and per memcpy/memset, and a flow from a rank's collective
 slice to the NCCL kernel that ran it.
 
-Join: the collector's rule (ccld/gpujoin.py), applied as the trace is written: an NCCL kernel launched
+Join: the collector's rule (ccld/timeline/gpujoin.py), applied as the trace is written: an NCCL kernel launched
 by thread T at L runs the collectives T entered at or before L (within MAX_LAUNCH_LAG_NS) not yet run by
 an earlier kernel, of the communicator its stream serves (learned from kernels whose candidates are all
 of one communicator), else of its op, else of the oldest candidate; several (a group) -> one kernel.
@@ -23,9 +23,9 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
 
-from ccld import gpujoin
 from ccld.export.tracks import Lanes, Proc
-from ccld.gpujoin import MAX_LAUNCH_LAG_NS
+from ccld.timeline import gpujoin
+from ccld.timeline.gpujoin import MAX_LAUNCH_LAG_NS
 
 if TYPE_CHECKING:
     from ccld.export.model import TraceModel

@@ -9,7 +9,7 @@ R->D MiB/s`, `RTT ms` and `retrans` per peer rank D, and `rank R runqueue wait %
 `communicators` group has one track per communicator (collectives.py), and a `ccld` group the
 agents' loss counters and clock offsets.
 Times: Unix ns in the collector's timebase: an event's ts_ns (its node's CLOCK_MONOTONIC) plus the
-offset (wall - mono) of its agent's latest ClockSample, kept in a collector.clock.ClockTable, the
+offset (wall - mono) of its agent's latest ClockSample, kept in a timeline.clock.ClockTable, the
 same rule as the live timeline (events before an agent's first sample wait for it).
 Memory: frames are processed in store order and only bounded state is held (see the bounds in
 collectives.py and netcounters.py, and REORDER_S/REORDER_MAX for instants and counters, which are
@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import msgpack
 
-from ccld.collector.clock import ClockTable
+from ccld.timeline.clock import ClockTable
 from ccld import wire as ev
 from ccld.export import clocktrack, colblocks, facts, gpu, marks
 from ccld.export.collectives import MAX_OPEN, Collectives, GROUP_WAIT_S

@@ -27,8 +27,8 @@ import collections
 import heapq
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from ccld.collector.links import LOOPBACK_PREFIXES
 from ccld.export.tracks import Proc, Track
+from ccld.timeline.links import LOOPBACK_PREFIXES
 
 if TYPE_CHECKING:
     from ccld.export.model import TraceModel

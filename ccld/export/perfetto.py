@@ -17,12 +17,12 @@ import os
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from ccld.collector.store import list_segments, read_meta, read_store
 from ccld.errors import CcldError
 from ccld.export.marks import findings_dicts
 from ccld.export.model import TIMEBASE, TraceModel
 from ccld.export.protobuf import ProtoSink
 from ccld.export.tracks import Lanes, Proc, Track
+from ccld.store import list_segments, read_meta, read_store
 
 __all__ = ["ExportError", "Lanes", "Proc", "ProtoSink", "TIMEBASE", "Track", "TraceModel", "export_perfetto",
            "run_export"]

@@ -25,7 +25,7 @@ from matplotlib.colors import PowerNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ccld.collector.timeline import Comm, Timeline
+from ccld.timeline.timeline import Comm, Timeline
 from ccld.diagnose.findings import STATE_NAMES, Finding, format_line, short_comm
 from ccld.diagnose.replay import format_report, replay
 from ccld.errors import CcldError

@@ -167,8 +167,8 @@ class Agent:
         self._last_change = time.monotonic()  # when a rank last appeared, left or got its probes
         self._thread: Optional[threading.Thread] = None
         # Clock sync with the collector's time service (default: its port + 1; "off": wall clock only)
-        from ccld.collector.timesvc import default_time_endpoint
         from ccld.tracer.timesync import TimeSync
+        from ccld.wire.protocol import default_time_endpoint
         self.clock = clock or NodeClock.from_env()
         self.time_service = default_time_endpoint(endpoint) if time_service is None else time_service
         self.timesync = (TimeSync(self.time_service, self.clock, keys=keys, say=say)

@@ -13,7 +13,7 @@ Units: ns, and drift in ppb (ns per s). Uncertainty = half the smallest round tr
 the RMS of the fit's residuals: the first term bounds an asymmetry of the path, the second the
 noise. Caveat: a constant asymmetry (a one-way delay that is always longer) is invisible to any
 round-trip method; it stays inside that bound, and the collector's refinement from collectives
-(ccld/collector/clockrefine.py) is what can see it.
+(ccld/timeline/clockrefine.py) is what can see it.
 """
 from __future__ import annotations
 

@@ -95,6 +95,14 @@ def identify(pid: int) -> Optional[RankIdentity]:
     return RankIdentity(pid, rank, world, _int(env, "LOCAL_RANK", rank), addr, port, job, _cmdline(pid))
 
 
+def is_rank(pid: int, rank: int) -> bool:
+    """True when `pid` is (still) a training process of global rank `rank`, from its environment:
+    a pid reused by another process since the agent reported it must not be paused by py-spy (the live
+    collector gives it to diagnose/stack.py's StackTaker, which asks before each dump)."""
+    ident = identify(pid)
+    return ident is not None and ident.rank == rank
+
+
 def all_pids() -> List[int]:
     return [int(d) for d in os.listdir("/proc") if d.isdigit()]
 

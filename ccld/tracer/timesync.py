@@ -5,7 +5,7 @@ fit is full enough) to the collector's time service (ccld/collector/timesvc.py; 
 ccld/wire/protocol.py's) over a ZeroMQ DEALER, stamping t1 and t4 with this node's clock
 (NodeClock.now_ns(), the clock of every event the agent sends); the fastest exchange of each burst
 goes into a clockfit.OffsetFit. `latest()` is the newest estimate as a ClockSync event, which the
-shipper puts in every frame; the collector converts with it (ccld/collector/clock.py).
+shipper puts in every frame; the collector converts with it (ccld/timeline/clock.py).
 Fallback: until the first estimate, and for good when no reply comes within FALLBACK_AFTER_S, the
 collector converts with the node's wall clock (the ClockSample pair); that is said once, and so is
 a time service that answers later. `settled` is set at the first estimate or at the fallback: the

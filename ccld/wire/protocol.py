@@ -14,10 +14,13 @@ the agent's ccld/tracer/timesync.py and ccld/tracer/ackclient.py ask them:
                                                  below its floor
 
 Readers return None for anything else, and never raise: a bad message is the caller's to count.
-Only the encoding lives here; the sockets, and what an answer says, stay with their owners.
+Where the service listens by default (the events port + 1: default_time_endpoint) is here too, since
+both sides must agree on it. Only the encoding and that address live here; the sockets, and what an
+answer says, stay with their owners.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import msgpack
@@ -27,6 +30,15 @@ ACK_REQUEST_MAX_BYTES = 4096  # ... but an ack request: 16 agent ids of <= 256 c
 ACK_REPLY_MAX_BYTES = 8192
 ACK_MAX_AGENTS = 16           # agent ids in one ack request (a spool holds one or two: this run's, the last)
 ACK_MAX_AGENT_ID = 256        # characters
+
+
+def default_time_endpoint(endpoint: str) -> Optional[str]:
+    """tcp://HOST:PORT -> tcp://HOST:PORT+1 (the time service's default); None when it has no port
+    (ipc://, a wildcard port)."""
+    m = re.match(r"^(tcp://.+):(\d+)$", endpoint or "")
+    if not m or not 0 < int(m.group(2)) < 65535:
+        return None
+    return f"{m.group(1)}:{int(m.group(2)) + 1}"
 
 
 class TimeRequest(NamedTuple):

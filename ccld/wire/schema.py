@@ -5,7 +5,7 @@ its wire fields, with their declared types (int, str, bool, List[...], Dict[...]
 frame is read (validate.py). A field with a default may be missing from a frame (older senders).
 Times: every `ts_ns` is CLOCK_MONOTONIC nanoseconds of the node that made the event (BPF's
 bpf_ktime_get_ns and Python's time.monotonic_ns share that clock). Nothing here converts clocks:
-the collector does that in one place (`collector.clock`), from the agent's `clock` samples.
+the collector does that in one place (`timeline.clock`), from the agent's `clock` samples.
 Compatibility: a frame with a newer MAJOR is rejected; a newer MINOR is read, unknown fields are
 ignored and events of an unknown kind are skipped and counted (codec.py).
 Field names follow PyTorch's vocabulary (process group, seq, group size, count, dtype) so traces

@@ -22,7 +22,7 @@ RUN_TIMEOUT_S = 240
 
 def stored_events(store):
     from ccld import wire as ev
-    from ccld.collector.store import read_store
+    from ccld.store import read_store
     out = []
     for _, frame in read_store(str(store)):
         out.extend(ev.decode_batch(frame).events)

@@ -16,7 +16,7 @@ import zmq
 
 from conftest import free_port
 from ccld import wire as ev
-from ccld.collector.store import read_meta, read_stats, read_store
+from ccld.store import read_meta, read_stats, read_store
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import bpf_skip_reason
 from ccld import wire as ev
-from ccld.collector.store import read_store
+from ccld.store import read_store
 from ccld.diagnose.replay import replay
 
 pytestmark = pytest.mark.e2e

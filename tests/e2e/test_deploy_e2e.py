@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from ccld.collector.ingest import load_timeline
+from ccld.timeline.ingest import load_timeline
 from conftest import GLOO_JOB, ROOT, bpf_skip_reason, free_port, gloo_job_cmd, torch_skip_reason
 from test_deploy import obj, unit_exec
 from test_run_e2e import Procs, wait_for

@@ -39,7 +39,7 @@ WORLD = group(range(8))
 
 def read_events(store):
     from ccld import wire as ev
-    from ccld.collector.store import read_store
+    from ccld.store import read_store
     problems = []
     out = [e for _, frame in read_store(store, problems) for e in ev.decode_batch(frame).events]
     assert not problems, problems

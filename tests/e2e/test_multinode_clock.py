@@ -69,7 +69,7 @@ def estimate_errors_ns(mb, stats):
 def raw_enters(store):
     """(comm, seq) -> {rank: (node, ts_ns on that node's clock)} from the stored frames."""
     from ccld import wire as ev
-    from ccld.collector.store import read_store
+    from ccld.store import read_store
     out = {}
     for _, frame in read_store(store, []):
         b = ev.decode_batch(frame)
@@ -120,7 +120,7 @@ def test_three_nodes_one_timeline(tmp_path):
         mb.stop_tracing()
 
         # 3. arrivals in the right order (the store replayed: the timeline the collector built)
-        from ccld.collector.ingest import load_timeline
+        from ccld.timeline.ingest import load_timeline
         tl = load_timeline(mb.store)
         anchor = stats["time_service"]["anchor_ns"]
         raw = raw_enters(mb.store)

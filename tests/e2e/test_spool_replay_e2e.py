@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ccld import wire as ev
-from ccld.collector.store import read_store
+from ccld.store import read_store
 from ccld.collector.timesvc import free_port_pair
 from conftest import gloo_job_cmd
 from test_collector_restart import CCLD, wait_for as wait_until

@@ -138,8 +138,8 @@ def test_nccl_all_reduces_on_two_communicators(tmp_path):
 
 
 def test_ccld_run_injects_and_stores_gpu_activity(tmp_path):
-    from ccld.collector.store import read_store
     from ccld.diagnose.replay import replay
+    from ccld.store import read_store
     store, trace = tmp_path / "store", tmp_path / "trace.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CCLD_")}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", CCLD_CUPTI="all+memcpy", PYTHONUNBUFFERED="1",

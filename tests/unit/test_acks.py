@@ -6,7 +6,7 @@ import pytest
 from ccld import wire as ev
 from ccld.collector import acks
 from ccld.collector.acks import DUPLICATE, AckBook, Marks
-from ccld.collector.store import StoreWriter
+from ccld.store import StoreWriter
 
 pytestmark = pytest.mark.unit
 

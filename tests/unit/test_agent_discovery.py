@@ -95,6 +95,20 @@ def test_identify_skips_processes_without_a_rank():
     assert discover.identify(999999999) is None
 
 
+def test_is_rank_checks_the_environment():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                         env=dict(env, RANK="3", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"))
+    try:
+        time.sleep(0.2)
+        assert discover.is_rank(p.pid, 3) is True
+        assert discover.is_rank(p.pid, 2) is False      # the pid now belongs to another rank
+    finally:
+        p.kill()
+        p.wait()
+    assert discover.is_rank(p.pid, 3) is False          # gone
+
+
 def test_only_the_variables_ccld_needs_are_read_and_secrets_are_masked():
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29998",
                HF_TOKEN="hf_secret_value", AWS_SECRET_ACCESS_KEY="aws_secret_value")

@@ -9,8 +9,8 @@ import pytest
 
 from ccld import wire as ev
 from ccld.wire import blocks
-from ccld.collector.ingest import IngestCounters, decode_frame
-from ccld.collector.timeline import Timeline
+from ccld.timeline.ingest import IngestCounters, decode_frame
+from ccld.timeline.timeline import Timeline
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,8 @@ rank counts overlapping intervals once.
 """
 import pytest
 
-from ccld.collector.blocked import BUCKET_S, BlockedTable
-from ccld.collector.timeline import Timeline
+from ccld.timeline.blocked import BUCKET_S, BlockedTable
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose import Diagnoser, busy
 
 from ccld_synth import T0, SynthJob

@@ -1,8 +1,8 @@
 """Clock conversion: node-monotonic ns -> Unix seconds, from the latest sample of each agent."""
 import pytest
 
-from ccld.collector.clock import ClockTable, NoClockSample
 from ccld.errors import CcldError
+from ccld.timeline.clock import ClockTable, NoClockSample
 
 pytestmark = pytest.mark.unit
 

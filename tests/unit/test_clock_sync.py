@@ -5,10 +5,10 @@ import random
 import pytest
 
 from ccld import wire as ev
-from ccld.collector import clockrefine
-from ccld.collector.clock import (WALL_UNCERTAINTY_NS, ClockTable, clock_evidence, format_clock_lines,
+from ccld.timeline import clockrefine
+from ccld.timeline.clock import (WALL_UNCERTAINTY_NS, ClockTable, clock_evidence, format_clock_lines,
                                   ranks_clock_evidence)
-from ccld.collector.timeline import Timeline
+from ccld.timeline.timeline import Timeline
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from ccld.collector.server import Collector, CollectorError
-from ccld.collector.store import read_stats, read_store
+from ccld.store import read_stats, read_store
 from ccld.diagnose.replay import replay
 
 from ccld_synth import SynthJob

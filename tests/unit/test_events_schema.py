@@ -5,7 +5,7 @@ import msgpack
 import pytest
 
 from ccld import wire as ev
-from ccld.collector.ingest import IngestCounters, decode_frame
+from ccld.timeline.ingest import IngestCounters, decode_frame
 
 pytestmark = pytest.mark.unit
 

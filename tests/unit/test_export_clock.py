@@ -5,8 +5,8 @@ import json
 import pytest
 
 from ccld import wire as ev
-from ccld.collector.store import StoreWriter
 from ccld.export.chrome import export_chrome
+from ccld.store import StoreWriter
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from ccld import wire as ev
-from ccld.collector.store import StoreWriter
+from ccld.store import StoreWriter
 from ccld.export.chrome import export_chrome
 from ccld.export.perfetto import export_perfetto
 

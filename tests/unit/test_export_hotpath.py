@@ -18,7 +18,7 @@ import msgpack
 import pytest
 
 from ccld import wire as ev
-from ccld.collector.store import StoreWriter
+from ccld.store import StoreWriter
 from ccld.export import accel, export_trace
 
 from ccld_synth import T0, FakeAgent, SynthJob

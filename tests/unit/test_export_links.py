@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ccld import wire as ev
-from ccld.collector.store import StoreWriter
+from ccld.store import StoreWriter
 from ccld.export import netcounters as nc
 from ccld.export.chrome import export_chrome
 from ccld.export.model import TraceModel

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ccld import wire as ev
-from ccld.collector.store import StoreWriter
+from ccld.store import StoreWriter
 from ccld.export.chrome import export_chrome
 from ccld.export.perfetto import export_perfetto
 
@@ -483,7 +483,7 @@ def _content(t):
 def test_frames_as_maps_and_as_column_blocks_give_the_same_trace(recorded, tmp_path):
     """Stores from before schema 1.4 (every event a map) and after (coll/start/end as column blocks)
     are exported alike: the trace's content is the same, only the model's input path differs."""
-    from ccld.collector.store import read_store
+    from ccld.store import read_store
     store, _, _ = recorded
     got = {}
     for shape, convert in (("maps", _as_maps), ("blocks", lambda f: _as_blocks(_as_maps(f)))):

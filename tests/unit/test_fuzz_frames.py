@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from ccld import wire as ev
-from ccld.collector.ingest import IngestCounters, decode_frame
+from ccld.timeline.ingest import IngestCounters, decode_frame
 
 from test_events_schema import ONE_OF_EACH
 

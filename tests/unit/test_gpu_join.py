@@ -3,8 +3,8 @@ real frames and the Timeline, in order, out of order, coalesced, several communi
 import pytest
 
 from ccld import wire as ev
-from ccld.collector.gpu import MAX_LAUNCH_LAG_NS
-from ccld.collector.timeline import Timeline
+from ccld.timeline.gpu import MAX_LAUNCH_LAG_NS
+from ccld.timeline.timeline import Timeline
 from ccld_synth import T0, FakeAgent
 
 pytestmark = pytest.mark.unit
@@ -171,7 +171,7 @@ def test_launch_long_after_the_call_is_not_joined():
 
 
 def test_kernels_without_host_events_wait_bounded_and_are_counted(monkeypatch):
-    from ccld.collector import gpu
+    from ccld.timeline import gpu
     monkeypatch.setattr(gpu, "MAX_WAITING", 5)
     job = GpuJob(world=1)
     job.send([job.kernel(0, T0 + 10 + i) for i in range(8)])  # e.g. eBPF is off: no CollEnter at all
@@ -203,7 +203,7 @@ def test_gpu_events_are_not_unhandled_kinds():
 def test_a_thread_past_its_bound_of_remembered_calls_keeps_joining(monkeypatch):
     """More calls on one thread than it remembers: the oldest are forgotten, the newest still join
     (the forgetting shifted the list under the index of the call just inserted: an IndexError once)."""
-    from ccld.collector import gpu
+    from ccld.timeline import gpu
     monkeypatch.setattr(gpu, "MAX_ENTERS_PER_THREAD", 8)
     job = GpuJob(world=1)
     for seq in range(1, 31):

@@ -1,11 +1,11 @@
-"""ccld/gpujoin.py: the one rule that joins an NCCL kernel to the calls that launched it, used by the
-collector's live join (collector/gpu.py) and by the trace export (export/gpu.py). Before it, each kept a
+"""ccld/timeline/gpujoin.py: the one rule that joins an NCCL kernel to the calls that launched it, used by the
+collector's live join (timeline/gpu.py) and by the trace export (export/gpu.py). Before it, each kept a
 copy of the rule; the last test checks that both now take it from here and decide alike."""
 import collections
 
 import pytest
 
-from ccld import gpujoin
+from ccld.timeline import gpujoin
 from ccld.export import gpu as export_gpu
 
 from test_gpu_join import COMM_A, COMM_B, LAUNCH_AFTER, T0, GpuJob

@@ -3,7 +3,7 @@ majority vote, before the hang they cause; a skipped collective is recognised as
 import pytest
 
 from ccld import wire as ev
-from ccld.collector.timeline import Timeline
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import format_line
 from ccld.diagnose.inconsistent import InconsistencyChecker

@@ -1,4 +1,4 @@
-"""Link localisation against each pair's own baseline (diagnose/links.py localise, collector/links.py
+"""Link localisation against each pair's own baseline (diagnose/links.py localise, timeline/links.py
 pair_baselines), on synthetic jobs sent as real frames and judged tick by tick as the collector does.
 
 Every job here: one all-reduce every 0.1 s (3 ms each) while healthy, then every collective takes
@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from ccld.collector import links as lk
-from ccld.collector.timeline import Timeline
+from ccld.timeline import links as lk
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose import links as dl
 from ccld_synth import T0, SynthJob, SynthLinks
 

@@ -2,8 +2,8 @@
 import pytest
 
 from ccld import wire as ev
-from ccld.collector import links as lk
-from ccld.collector.timeline import Timeline
+from ccld.timeline import links as lk
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose import hang
 from ccld.diagnose import links as dl
 from ccld_synth import T0, SynthJob, SynthLinks, rank_ip, rank_port
@@ -220,7 +220,7 @@ def test_a_heavy_tail_of_retransmission_stalls_is_slow_even_when_the_median_is_n
 
 def test_ccld_links_prints_the_table_of_a_store(tmp_path, capsys):
     from ccld import cli
-    from ccld.collector.store import StoreWriter
+    from ccld.store import StoreWriter
     job = SynthJob(world=4, nodes=2)
     links = SynthLinks(job)
     job.announce(T0)

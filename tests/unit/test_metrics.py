@@ -6,7 +6,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ccld.collector import timeline as timeline_mod
+from ccld.timeline import timeline as timeline_mod
 from ccld.collector.metrics import LATENCY_BUCKETS_S, MetricsError, MetricsServer, parse_hostport
 from ccld.collector.server import Collector
 from ccld_synth import SynthJob, SynthLinks

@@ -6,7 +6,7 @@ The real pipeline under the real probes: tests/e2e/test_shapes.py.
 """
 import pytest
 
-from ccld.collector.timeline import Timeline
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import format_line
 

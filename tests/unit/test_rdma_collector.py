@@ -5,9 +5,9 @@ import collections
 import pytest
 
 from ccld import wire as ev
-from ccld.collector import rdma as rdm
-from ccld.collector.rdma import RdmaTable
-from ccld.collector.timeline import Timeline
+from ccld.timeline import rdma as rdm
+from ccld.timeline.rdma import RdmaTable
+from ccld.timeline.timeline import Timeline
 
 from ccld_synth import T0, SynthJob
 

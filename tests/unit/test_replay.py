@@ -5,8 +5,8 @@ import os
 import pytest
 
 from ccld import wire as ev
-from ccld.collector.store import StoreError, StoreWriter
-from ccld.collector.timeline import Timeline
+from ccld.store import StoreError, StoreWriter
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.replay import format_report, replay
 from ccld.diagnose.tracker import FindingTracker

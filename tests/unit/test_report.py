@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ccld.cli import main
-from ccld.collector.store import StoreWriter
+from ccld.store import StoreWriter
 from ccld.export import report as rp
 from ccld.export import report_links as rl
 

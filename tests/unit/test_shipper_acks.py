@@ -9,7 +9,7 @@ import pytest
 
 from ccld import wire as ev
 from ccld.collector.server import Collector
-from ccld.collector.store import read_store
+from ccld.store import read_store
 from ccld.tracer import shipper as sh
 from ccld.tracer.spool import Spool
 from ccld.collector.timesvc import free_port_pair

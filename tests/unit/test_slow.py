@@ -5,7 +5,7 @@ import random
 import pytest
 
 from ccld import wire as ev
-from ccld.collector.timeline import Timeline
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose import Diagnoser, links, slow
 from ccld.diagnose.findings import Finding, format_line
 from ccld.diagnose.tracker import FindingTracker

@@ -7,8 +7,8 @@ import zlib
 
 import pytest
 
+from ccld import store as st
 from ccld import wire as ev
-from ccld.collector import store as st
 from ccld.errors import CcldError
 
 pytestmark = pytest.mark.unit

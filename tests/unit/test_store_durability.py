@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
+from ccld import store as st
 from ccld import wire as ev
-from ccld.collector import store as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "bench"))
@@ -118,7 +118,7 @@ def test_a_failing_disk_loses_no_accepted_frame(tmp_path, monkeypatch):
 
 CHILD = textwrap.dedent("""
     import os, signal, sys
-    from ccld.collector import store as st
+    from ccld import store as st
     from ccld import wire as ev
     d, n, m = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     def frame(i):

@@ -2,8 +2,8 @@
 import pytest
 
 from ccld import wire as ev
-from ccld.collector import timeline as tlm
-from ccld.collector.timeline import Timeline
+from ccld.timeline import timeline as tlm
+from ccld.timeline.timeline import Timeline
 
 from ccld_synth import T0, FakeAgent, SynthJob
 

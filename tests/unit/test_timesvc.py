@@ -9,10 +9,11 @@ import zmq
 
 from ccld.collector import timesvc
 from ccld.collector.server import Collector
-from ccld.collector.timesvc import TimeService, default_time_endpoint
+from ccld.collector.timesvc import TimeService
 from ccld.tracer import timesync
 from ccld.tracer.nodeclock import NodeClock
 from ccld.tracer.timesync import TimeSync
+from ccld.wire.protocol import default_time_endpoint
 
 pytestmark = pytest.mark.unit
 

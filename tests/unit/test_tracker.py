@@ -1,7 +1,7 @@
 """Findings are reported once, and their end is reported as a recovery."""
 import pytest
 
-from ccld.collector.timeline import Timeline
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import Finding, format_line
 from ccld.diagnose.tracker import FindingTracker

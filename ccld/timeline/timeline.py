@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from ccld import wire as ev
+from ccld.timeline.blocked import BlockedTable
+from ccld.timeline.clock import ClockTable
+from ccld.timeline.gpu import GPU_EVENTS, GpuJoin
+from ccld.timeline.links import LinkTable
+from ccld.timeline.p2p import CommP2P, P2POp
+from ccld.timeline.rdma import RdmaTable
 from ccld.wire.blocks import Block, in_order, run_rows
-from ccld.collector.blocked import BlockedTable
-from ccld.collector.clock import ClockTable
-from ccld.collector.gpu import GPU_EVENTS, GpuJoin
-from ccld.collector.links import LinkTable
-from ccld.collector.p2p import CommP2P, P2POp
-from ccld.collector.rdma import RdmaTable
 
 MAX_COLLS_PER_COMM = 4096     # hang detection looks at the newest; 4096 covers minutes of a fast job ...
 MAX_RANK_ENTRIES_PER_COMM = 1 << 20  # ... but a collective holds ~3 entries per member, so a big group keeps

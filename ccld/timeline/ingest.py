@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 from ccld import wire as ev
-from ccld.collector.timeline import Timeline
+from ccld.timeline.timeline import Timeline
 
 
 @dataclass
@@ -59,7 +59,7 @@ def ingest_frame(frame: bytes, recv_unix: float, timeline: Timeline,
 def load_timeline(store_dir: str) -> Timeline:
     """A store's frames, in stored order, into a fresh Timeline (no detectors). Raises StoreError when
     the store cannot be read at all; damaged records are skipped (replay.replay reports them)."""
-    from ccld.collector.store import read_store
+    from ccld.store import read_store
     tl, counters = Timeline(), IngestCounters()
     for recv, frame in read_store(store_dir, []):
         ingest_frame(frame, recv, tl, counters)

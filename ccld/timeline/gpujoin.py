@@ -1,6 +1,6 @@
 """The rule that joins an NCCL kernel (a CUPTI GpuKernel) to the collective calls that launched it.
 
-One rule for the collector's live join (collector/gpu.py) and the trace export (export/gpu.py). NCCL
+One rule for the collector's live join (timeline/gpu.py) and the trace export (export/gpu.py). NCCL
 launches a collective's kernel inside the call, or at ncclGroupEnd for calls made in a group, always
 in the calling thread, on the NCCL stream of the call's communicator. So a kernel launched by thread T
 at L runs the calls T entered at or before L (within MAX_LAUNCH_LAG_NS) that no earlier kernel ran,

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
 from ccld import wire as ev
-from ccld.collector.clockrefine import JobClockRefiner
 from ccld.errors import CcldError
+from ccld.timeline.clockrefine import JobClockRefiner
 
 WALL_UNCERTAINTY_NS = 1_000_000  # a node's wall clock under NTP: ~1 ms (assumed; nothing here measures it)
 MAX_SYNC_DRIFT_PPB = 1_000_000   # 1000 ppm: a ClockSync claiming more is corrupt

@@ -4,7 +4,7 @@ A CollEnter says thread `tid` of a rank called collective (comm, seq) at `ts_ns`
 an NCCL kernel ran from `ts_ns` to `end_ns` and was launched by thread `launch_tid` at `launch_ns`
 (all node-monotonic ns of the same node, so they compare without clock conversion). The join rule
 (which calls a kernel ran, which communicator its stream serves, stream order for a kernel without a
-launch record) is ccld/gpujoin.py, shared with the trace export. Here, live, an enter belongs to the
+launch record) is ccld/timeline/gpujoin.py, shared with the trace export. Here, live, an enter belongs to the
 EARLIEST kernel launched by the same thread at or after it, for the same communicator, whatever the
 arrival order: a kernel that arrives late takes back the enters a later kernel had claimed. Calls
 grouped into one kernel (coalesced) all get that kernel's times. A kernel that comes before its
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ccld import wire as ev
-from ccld import gpujoin
-from ccld.gpujoin import MAX_LAUNCH_LAG_NS
+from ccld.timeline import gpujoin
+from ccld.timeline.gpujoin import MAX_LAUNCH_LAG_NS
 
 GPU_EVENTS = (ev.GpuKernel, ev.GpuMemop, ev.GpuLoss)
 KEEP_NS = 120_000_000_000           # enters older than this behind a thread's newest are forgotten

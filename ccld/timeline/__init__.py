@@ -1,0 +1,17 @@
+"""ccld.timeline: the in-memory model every analysis reads, built from decoded frames.
+
+    timeline.py     ranks, communicators and collectives joined across agents (Timeline)
+    ingest.py       one frame: decode (counted by reason), then into a Timeline; a store into a fresh one
+    clock.py        the one conversion of a node's clock to the collector's timebase (clockrefine.py:
+                    corrected with the job's own collectives)
+    links.py        TCP connections joined into rank pairs, with per-pair baselines
+    p2p.py          point-to-point ops matched pairwise; rdma.py: queue pairs and NIC counters
+    gpu.py          CUPTI kernels joined to the collectives they ran (its rule: gpujoin.py, shared with
+                    the export)
+    blocked.py      each rank's time spent waiting in communication
+
+Used by the live collector (ccld.collector), `diagnose` (ccld.diagnose), the outputs (ccld.export,
+`ccld links`) and the metrics. Layering: it imports ccld.wire, ccld.store (reading a store) and
+ccld.errors, never the detectors or anything above them (import contracts in pyproject.toml).
+Submodules are imported where used.
+"""
