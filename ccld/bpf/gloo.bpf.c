@@ -88,6 +88,13 @@
 #ifndef CCLD_REC_SIZE
 #define CCLD_REC_SIZE 200  /* the largest record (gloo_pair_fail): every record takes this room */
 #endif
+#ifndef CCLD_RINGBUF_PAGES
+/* 16 MiB: 80,659 slots of 208 bytes. A collective writes 3 records (enter, start, end), so this holds
+ * 1.3 s of 20,000 collectives/s; common.h's 4 MiB held 0.34 s, less than a drain period plus its
+ * lateness (the agent drains every 250 ms while records come, 500 ms after a quiet spell, later when
+ * the node's CPUs are busy), and bench/burst.py lost records at 20,000/s with it. */
+#define CCLD_RINGBUF_PAGES 4096
+#endif
 #include "common.h"
 
 #ifndef CCLD_MAX_THREADS

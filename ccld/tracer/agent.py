@@ -33,7 +33,7 @@ from ccld.tracer.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_BYTES, Spool
 log = logging.getLogger("ccld.agent")
 
 POLL_MS = 250             # ring-buffer drain period while records come: records wait at most this long in
-                          # the kernel (the 4 MiB ring buffers hold ~0.7 s of 20,000 collectives/s), a hang
+                          # the kernel (gloo's 16 MiB ring holds 1.3 s of 20,000 collectives/s: bench/burst.py), a hang
                           # is judged over seconds, and each drain has a fixed cost (~0.5 ms of numpy calls
                           # in the gloo translator, a frame in the shipper): at 100 ms that fixed cost was
                           # half of the agent's CPU on a busy job (bench/agent_profile.py)
