@@ -20,6 +20,7 @@ EPILOG = """examples:
   ccld collector --metrics 127.0.0.1:9555               also serve Prometheus /metrics (and /snapshot)
   ccld top 127.0.0.1:9555                               live view of that collector: ranks, links, findings
   ccld diagnose --flight-recorder /tmp/fr               findings from PyTorch Flight Recorder dumps
+  ccld diagnose --ops ops.csv                           findings from a per-op timing table
   ccld export runs/today --failure-trace failures.csv   one record per finding, for schedulers and simulators
   ccld keys /etc/ccld collector                         key pair for CurveZMQ (listening beyond loopback)
   ccld demo --fault hang                                a 4-rank CPU job with one rank that hangs
@@ -93,10 +94,16 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("dir", metavar="DIR")
     k.add_argument("name", metavar="NAME", help="e.g. collector, or the agent's node name")
 
-    d = sub.add_parser("diagnose", help="replay a store through the detectors (or read Flight Recorder dumps)")
+    def ops_flag(sp):
+        sp.add_argument("--ops", metavar="FILE", help="instead of a store: a per-op table, one row per operation "
+                        "a rank ran (CSV, JSON Lines, .gz, Parquet with pyarrow; docs/ops-table.md)")
+
+    d = sub.add_parser("diagnose", help="replay a store through the detectors (or read Flight Recorder dumps, "
+                       "or a per-op table)")
     d.add_argument("store", metavar="STORE_DIR", nargs="?")
     d.add_argument("--flight-recorder", metavar="DIR", help="instead of a store: PyTorch Flight Recorder dumps "
                    "(one file per rank, pickle or JSON, NCCL or gloo)")
+    ops_flag(d)
     d.add_argument("--fr-prefix", metavar="PREFIX", help="dump file names are PREFIX<rank> (default: guessed)")
     d.add_argument("--json", action="store_true", help="print findings as JSON lines")
     detector_flags(d)
@@ -109,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="write a store as a Perfetto trace (or Chrome JSON)",
                        description="Write a store as a trace for ui.perfetto.dev: a track per rank, a slice "
                        "per collective, flows joining one collective across ranks, findings as markers.")
-    x.add_argument("store", metavar="STORE_DIR")
+    x.add_argument("store", metavar="STORE_DIR", nargs="?")
+    ops_flag(x)
     x.add_argument("--perfetto", metavar="OUT.pftrace", help="the trace file to write")
     x.add_argument("--failure-trace", metavar="OUT.csv|OUT.jsonl", help="instead: one record per finding "
                    "(time, duration, class, ranks, nodes, job; docs/failure-trace.md)")
@@ -125,7 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     detector_flags(x)
 
     rp = sub.add_parser("report", help="write one self-contained HTML page about a store (findings, plots)")
-    rp.add_argument("store", metavar="STORE_DIR")
+    rp.add_argument("store", metavar="STORE_DIR", nargs="?")
+    ops_flag(rp)
     rp.add_argument("-o", "--output", default="report.html", metavar="FILE.html",
                     help="where to write the page (default report.html)")
     rp.add_argument("--comm", metavar="COMM", help="communicator to draw (default: the widest, then busiest)")

@@ -1,12 +1,14 @@
 """One function per `ccld` verb: turn parsed arguments into calls on the modules that do the work."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import sys
 import threading
+from typing import Any, Iterator, Tuple
 
 from ccld.errors import CcldError
 
@@ -146,13 +148,32 @@ def cmd_run(args) -> int:
                       use_bpf=not args.no_bpf, say=_say, perfetto=args.perfetto, metrics=args.metrics)
 
 
+@contextlib.contextmanager
+def _source(args) -> Iterator[Tuple[str, Any]]:
+    """(store directory, OpsJob or None) a verb reads: STORE_DIR, or --ops FILE made into a temporary
+    store (removed afterwards), so a per-op table takes the store's one path through the detectors."""
+    if getattr(args, "ops", None):
+        if args.store:
+            raise CcldError("give STORE_DIR or --ops FILE, not both")
+        from ccld.diagnose.opframes import table_store
+        with table_store(args.ops) as (store, job):
+            for line in job.table.bad_lines():  # a bad row is one line; the rest was read
+                print(f"ccld: {line}", file=sys.stderr)
+            yield store, job
+        return
+    if not args.store:
+        raise CcldError(f"nothing to {args.verb}: give STORE_DIR, "
+                        + ("or --flight-recorder DIR, " if args.verb == "diagnose" else "") + "or --ops FILE")
+    yield args.store, None
+
+
 def cmd_diagnose(args) -> int:
     from ccld.diagnose.findings import format_line
     from ccld.diagnose.replay import format_report, replay
     if args.flight_recorder:
         from ccld.diagnose.frcheck import diagnose_dumps, format_detail, format_dumps
-        if args.store:
-            raise CcldError("give a store or --flight-recorder DIR, not both")
+        if args.store or args.ops:
+            raise CcldError("give one of STORE_DIR, --flight-recorder DIR or --ops FILE")
         findings, dumps = diagnose_dumps(args.flight_recorder, prefix=args.fr_prefix,
                                          **({} if args.hang_after is None else {"floor_s": args.hang_after}))
         lines = [json.dumps(f.to_json()) for f in findings] if args.json else format_dumps(dumps) + (
@@ -160,16 +181,20 @@ def cmd_diagnose(args) -> int:
         for line in lines:
             print(line)
         return 0
-    if not args.store:
-        raise CcldError("nothing to diagnose: give STORE_DIR, or --flight-recorder DIR")
-    _timeline, findings, recoveries, report = replay(args.store, floor_s=args.hang_after)
+    with _source(args) as (store, job):
+        _timeline, findings, recoveries, report = replay(store, floor_s=args.hang_after)
     if args.json:
         for f in findings:
             print(json.dumps(f.to_json()))
         for r in recoveries:
             print(json.dumps(r))
         return 0
-    for line in format_report(report):
+    if job is not None:
+        from ccld.diagnose.opframes import format_job
+        head = format_job(job) + format_report(report, store=False)
+    else:
+        head = format_report(report)
+    for line in head:
         print(line)
     if not findings:
         print("no findings")
@@ -200,8 +225,9 @@ def cmd_report(args) -> int:
         raise CcldError("--last must be at least 1")
     # progress lines for a person watching; a script gets only the summary line
     progress = (lambda m: print(f"ccld report: {m}", file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
-    s = write_report(args.store, args.output, progress=progress, comm=args.comm, last=args.last,
-                     floor_s=args.hang_after)
+    with _source(args) as (store, job):
+        s = write_report(store, args.output, progress=progress, comm=args.comm, last=args.last,
+                         floor_s=args.hang_after, source=None if job is None else f"--ops {args.ops}")
     _say(f"ccld report: {s['path']} ({s['bytes'] // 1024} KiB): {s['ranks']} ranks, {s['comms']} communicators, "
          f"{s['collectives']} collectives, {s['findings']} finding{'s' * (s['findings'] != 1)} "
          f"({s['active']} active)")
@@ -209,10 +235,15 @@ def cmd_report(args) -> int:
 
 
 def cmd_export(args) -> int:
+    with _source(args) as (store, _job):
+        return _export(args, store)
+
+
+def _export(args, store: str) -> int:
     from ccld.export import export_trace, guess_format, parse_ranks, progress_line, read_findings, summary_line
     if args.failure_trace:
         from ccld.export.failures import write_failure_trace
-        _say(write_failure_trace(args.store, args.failure_trace, findings_path=args.findings,
+        _say(write_failure_trace(store, args.failure_trace, findings_path=args.findings,
                                  hang_after=args.hang_after))
         return 0
     if not args.perfetto:
@@ -227,7 +258,7 @@ def cmd_export(args) -> int:
             shown[0] = p.get("elapsed_s", 0)
             print(progress_line(p), file=sys.stderr, flush=True)
 
-    stats = export_trace(args.store, args.perfetto, fmt, t_from=args.t_from, t_to=args.t_to, ranks=ranks,
+    stats = export_trace(store, args.perfetto, fmt, t_from=args.t_from, t_to=args.t_to, ranks=ranks,
                          progress=progress, findings=findings, hang_after=args.hang_after)
     for p in stats["store_problems"][:5]:
         print(f"ccld export: store problem: {p}", file=sys.stderr)

@@ -353,7 +353,9 @@ class StoreWriter:
         doc.update(self.counters())
         _write_json_atomic(os.path.join(self.dir, STATS_FILE), doc)
 
-    def close(self) -> None:
+    def close(self, closed_at: Optional[float] = None) -> None:
+        """Flush, fsync and record closed_at: now, or the end of what the frames describe when they are
+        made offline (a per-op table's last time: diagnose/optable.py)."""
         if self.closed:
             return
         self.closed = True
@@ -366,7 +368,7 @@ class StoreWriter:
                     os.close(self._fd)
                     self._fd = None
             # closed_at lets replay run the detectors up to the moment the collector stopped.
-            self.meta["closed_at"] = time.time()
+            self.meta["closed_at"] = time.time() if closed_at is None else closed_at
             _write_json_atomic(os.path.join(self.dir, STORE_FILE), self.meta, durable=True)
         finally:
             self._unlock()

@@ -238,14 +238,15 @@ def diagnose_dumps(directory: str, prefix: Optional[str] = None,
     return check(dumps, floor_s), dumps
 
 
-def _span(ranks: List[int]) -> str:
+def rank_span(ranks: List[int]) -> str:
+    """"0-3" for a run of three or more ranks, else "0,2" (also in opframes.format_job)."""
     if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
         return f"{ranks[0]}-{ranks[-1]}"
     return ",".join(map(str, ranks))
 
 
 def _who(ranks: List[int]) -> str:
-    return f"rank {ranks[0]} waits" if len(ranks) == 1 else f"ranks {_span(ranks)} wait"
+    return f"rank {ranks[0]} waits" if len(ranks) == 1 else f"ranks {rank_span(ranks)} wait"
 
 
 def format_dumps(dumps: List[Dump]) -> List[str]:
@@ -254,11 +255,12 @@ def format_dumps(dumps: List[Dump]) -> List[str]:
         return []
     fmts = sorted({d.fmt for d in dumps})
     lines = [f"flight recorder: {len(dumps)} dumps ({'/'.join(fmts)}, version {dumps[0].version}, "
-             f"{dumps[0].backend}) in {os.path.dirname(dumps[0].path) or '.'}: ranks {_span([d.rank for d in dumps])}, "
-             f"{sum(len(d.entries) for d in dumps)} entries"]
+             f"{dumps[0].backend}) in {os.path.dirname(dumps[0].path) or '.'}: "
+             f"ranks {rank_span([d.rank for d in dumps])}, {sum(len(d.entries) for d in dumps)} entries"]
     for name, g in sorted(_groups(dumps).items(), key=lambda kv: (len(kv[0]), kv[0])):
         seqs = sorted({s for c in g.colls.values() for s in c})
-        lines.append(f"  pg {name}" + (f" ({g.desc})" if g.desc else "") + f": members {_span(sorted(g.members))}"
+        lines.append(f"  pg {name}" + (f" ({g.desc})" if g.desc else "")
+                     + f": members {rank_span(sorted(g.members))}"
                      + (f", seqs {seqs[0]}..{seqs[-1]}" if seqs else ", no collectives")
                      + (f", {g.p2p} p2p entries (not matched)" if g.p2p else ""))
     return lines

@@ -91,14 +91,16 @@ def replay(store_dir: str, floor_s: Optional[float] = None, k: float = 4.0,
     return tl, findings, recoveries, report
 
 
-def format_report(report: Dict[str, Any]) -> List[str]:
-    """The report as short lines for `ccld diagnose`: what was read, and every loss or damage."""
+def format_report(report: Dict[str, Any], store: bool = True) -> List[str]:
+    """The report as short lines for `ccld diagnose`: what was read, and every loss or damage.
+    store=False: the store was made from another source (a per-op table, which says what it read
+    itself): no store line, and no clock lines (its events are on one clock already)."""
     span = ""
     if report.get("first_recv") is not None:
         span = f", {report['last_recv'] - report['first_recv']:.1f} s of recording"
     out = [f"store {report.get('store')}: {report.get('records', 0)} frames in {report.get('segments', 0)} "
            f"segments{span}; {report.get('agents', 0)} agents, {report.get('ranks', 0)} ranks, "
-           f"{report.get('comms', 0)} communicators"]
+           f"{report.get('comms', 0)} communicators"] if store else []
     out += [f"store problem: {p}" for p in report.get("problems") or []]
 
     def counts(title: str, d: Optional[Dict[str, Any]]) -> None:
@@ -115,5 +117,6 @@ def format_report(report: Dict[str, Any]) -> List[str]:
     for agent, c in sorted((report.get("agent_loss") or {}).items()):
         counts(f"agent {agent} lost", c)
     counts("timeline anomalies", report.get("anomalies"))
-    out += format_clock_lines(report.get("clock"))  # per node: offset, drift, uncertainty (timeline/clock.py)
+    if store:
+        out += format_clock_lines(report.get("clock"))  # per node: offset, drift, uncertainty (timeline/clock.py)
     return out

@@ -52,12 +52,17 @@ Progress = Optional[Callable[[str], None]]
 
 
 def write_report(store_dir: str, out_html: str, progress: Progress = None, comm: Optional[str] = None,
-                 last: int = MAX_HEATMAP_COLLS, floor_s: Optional[float] = None) -> Dict[str, Any]:
-    """Replay `store_dir`, write the page to `out_html`, and return a JSON-ready summary of it."""
+                 last: int = MAX_HEATMAP_COLLS, floor_s: Optional[float] = None,
+                 source: Optional[str] = None) -> Dict[str, Any]:
+    """Replay `store_dir`, write the page to `out_html`, and return a JSON-ready summary of it.
+    `source`: what the page names instead of the store (`--ops FILE` for a temporary store made from a
+    per-op table), as the argument that gives `ccld export` the same events."""
     say = progress or (lambda _msg: None)
     t_start = time.monotonic()
-    say(f"replaying {store_dir} through the detectors")
+    say(f"replaying {source or store_dir} through the detectors")
     tl, findings, recoveries, report = replay(store_dir, floor_s=floor_s)
+    if source:
+        report["store"] = source
     say(f"replayed {report.get('records', 0)} frames in {time.monotonic() - t_start:.1f} s")
     main = _main_comm(tl, comm)
     recovered = {r.get("id"): r.get("recovered_at") for r in recoveries}
