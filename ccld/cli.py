@@ -21,6 +21,7 @@ EPILOG = """examples:
   ccld top 127.0.0.1:9555                               live view of that collector: ranks, links, findings
   ccld diagnose --flight-recorder /tmp/fr               findings from PyTorch Flight Recorder dumps
   ccld diagnose --ops ops.csv                           findings from a per-op timing table
+  ccld diagnose --kineto traces/                        findings from torch.profiler traces, one per rank
   ccld export runs/today --failure-trace failures.csv   one record per finding, for schedulers and simulators
   ccld keys /etc/ccld collector                         key pair for CurveZMQ (listening beyond loopback)
   ccld demo --fault hang                                a 4-rank CPU job with one rank that hangs
@@ -97,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     def ops_flag(sp):
         sp.add_argument("--ops", metavar="FILE", help="instead of a store: a per-op table, one row per operation "
                         "a rank ran (CSV, JSON Lines, .gz, Parquet with pyarrow; docs/ops-table.md)")
+        sp.add_argument("--kineto", metavar="DIR|FILE", nargs="+", help="instead of a store: torch.profiler "
+                        "(Kineto) traces, one per rank (.json, .json.gz; a directory: all of them; docs/kineto.md)")
 
     d = sub.add_parser("diagnose", help="replay a store through the detectors (or read Flight Recorder dumps, "
                        "or a per-op table)")

@@ -8,7 +8,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any, Iterator, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 from ccld.errors import CcldError
 
@@ -150,8 +150,16 @@ def cmd_run(args) -> int:
 
 @contextlib.contextmanager
 def _source(args) -> Iterator[Tuple[str, Any]]:
-    """(store directory, OpsJob or None) a verb reads: STORE_DIR, or --ops FILE made into a temporary
-    store (removed afterwards), so a per-op table takes the store's one path through the detectors."""
+    """(store directory, OpsJob, KinetoJob or None) a verb reads: STORE_DIR, or --ops FILE or --kineto
+    DIR|FILE... made into a temporary store (removed afterwards), so a per-op table and Kineto traces
+    take the store's one path through the detectors."""
+    if getattr(args, "kineto", None):
+        if args.store or args.ops:
+            raise CcldError("give one of STORE_DIR, --ops FILE or --kineto DIR")
+        from ccld.diagnose.kineto import kineto_store
+        with kineto_store(args.kineto) as (store, job):
+            yield store, job
+        return
     if getattr(args, "ops", None):
         if args.store:
             raise CcldError("give STORE_DIR or --ops FILE, not both")
@@ -163,8 +171,15 @@ def _source(args) -> Iterator[Tuple[str, Any]]:
         return
     if not args.store:
         raise CcldError(f"nothing to {args.verb}: give STORE_DIR, "
-                        + ("or --flight-recorder DIR, " if args.verb == "diagnose" else "") + "or --ops FILE")
+                        + ("--flight-recorder DIR, " if args.verb == "diagnose" else "") + "--ops FILE or --kineto DIR")
     yield args.store, None
+
+
+def _source_name(args) -> Optional[str]:
+    """What a report says it was made from, when not a store."""
+    if getattr(args, "kineto", None):
+        return "--kineto " + " ".join(args.kineto)
+    return f"--ops {args.ops}" if getattr(args, "ops", None) else None
 
 
 def cmd_diagnose(args) -> int:
@@ -172,8 +187,8 @@ def cmd_diagnose(args) -> int:
     from ccld.diagnose.replay import format_report, replay
     if args.flight_recorder:
         from ccld.diagnose.frcheck import diagnose_dumps, format_detail, format_dumps
-        if args.store or args.ops:
-            raise CcldError("give one of STORE_DIR, --flight-recorder DIR or --ops FILE")
+        if args.store or args.ops or args.kineto:
+            raise CcldError("give one of STORE_DIR, --flight-recorder DIR, --ops FILE or --kineto DIR")
         findings, dumps = diagnose_dumps(args.flight_recorder, prefix=args.fr_prefix,
                                          **({} if args.hang_after is None else {"floor_s": args.hang_after}))
         lines = [json.dumps(f.to_json()) for f in findings] if args.json else format_dumps(dumps) + (
@@ -189,7 +204,10 @@ def cmd_diagnose(args) -> int:
         for r in recoveries:
             print(json.dumps(r))
         return 0
-    if job is not None:
+    if job is not None and args.kineto:
+        from ccld.diagnose.kineto import format_kineto
+        head = format_kineto(job) + format_report(report, store=False)
+    elif job is not None:
         from ccld.diagnose.opframes import format_job
         head = format_job(job) + format_report(report, store=False)
     else:
@@ -227,7 +245,7 @@ def cmd_report(args) -> int:
     progress = (lambda m: print(f"ccld report: {m}", file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
     with _source(args) as (store, job):
         s = write_report(store, args.output, progress=progress, comm=args.comm, last=args.last,
-                         floor_s=args.hang_after, source=None if job is None else f"--ops {args.ops}")
+                         floor_s=args.hang_after, source=_source_name(args))
     _say(f"ccld report: {s['path']} ({s['bytes'] // 1024} KiB): {s['ranks']} ranks, {s['comms']} communicators, "
          f"{s['collectives']} collectives, {s['findings']} finding{'s' * (s['findings'] != 1)} "
          f"({s['active']} active)")

@@ -34,7 +34,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from ccld import __version__
 from ccld import wire as ev
@@ -82,11 +82,13 @@ class OpsJob:
         return int(round((t + self.shift) * 1e9))
 
 
-def make_job(table: OpsTable) -> OpsJob:
+def make_job(table: OpsTable, world: Optional[int] = None) -> OpsJob:
     """Groups and their members, every collective's seq, the span and its offset to Unix time. Rows
     that cannot be placed (no seq where the group has them, a seq used twice, a peer outside the group)
-    become bad rows of `table`."""
-    job = OpsJob(table=table, name=os.path.basename(table.path), world=max(r.rank for r in table.rows) + 1)
+    become bad rows of `table`. `world`: the job's size where the source says it (a Kineto trace's
+    distributedInfo), else the highest rank + 1."""
+    world = max([r.rank + 1 for r in table.rows] + [world or 0])
+    job = OpsJob(table=table, name=os.path.basename(os.path.normpath(table.path)), world=world)
     by_group: Dict[str, List[Row]] = collections.defaultdict(list)
     for r in table.rows:
         if r.kind != "compute":
@@ -235,10 +237,17 @@ def write_store(job: OpsJob, store_dir: str) -> int:
 def table_store(path: str) -> Iterator[Tuple[str, OpsJob]]:
     """(store directory, job) of the table at `path`: a temporary store, removed afterwards."""
     job = make_job(read_table(path))
+    with job_store(job) as store:
+        yield store, job
+
+
+@contextlib.contextmanager
+def job_store(job: OpsJob) -> Iterator[str]:
+    """A temporary store of `job` (any reader's rows: a table's, Kineto traces'), removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="ccld-ops-") as d:
         store = os.path.join(d, "store")
         write_store(job, store)
-        yield store, job
+        yield store
 
 
 def format_job(job: OpsJob) -> List[str]:
