@@ -22,6 +22,7 @@ EPILOG = """examples:
   ccld diagnose --flight-recorder /tmp/fr               findings from PyTorch Flight Recorder dumps
   ccld diagnose --ops ops.csv                           findings from a per-op timing table
   ccld diagnose --kineto traces/                        findings from torch.profiler traces, one per rank
+  ccld diagnose --nccl-inspector logs/                  findings from NCCL Inspector logs (verbose mode)
   ccld export runs/today --failure-trace failures.csv   one record per finding, for schedulers and simulators
   ccld keys /etc/ccld collector                         key pair for CurveZMQ (listening beyond loopback)
   ccld demo --fault hang                                a 4-rank CPU job with one rank that hangs
@@ -100,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
                         "a rank ran (CSV, JSON Lines, .gz, Parquet with pyarrow; docs/ops-table.md)")
         sp.add_argument("--kineto", metavar="DIR|FILE", nargs="+", help="instead of a store: torch.profiler "
                         "(Kineto) traces, one per rank (.json, .json.gz; a directory: all of them; docs/kineto.md)")
+        sp.add_argument("--nccl-inspector", metavar="DIR", help="instead of a store: NCCL Inspector logs, one "
+                        "file per process (*.log, *.jsonl, .gz; NCCL_INSPECTOR_DUMP_VERBOSE=1; docs/nccl-inspector.md)")
 
     d = sub.add_parser("diagnose", help="replay a store through the detectors (or read Flight Recorder dumps, "
                        "or a per-op table)")

@@ -150,19 +150,25 @@ def cmd_run(args) -> int:
 
 @contextlib.contextmanager
 def _source(args) -> Iterator[Tuple[str, Any]]:
-    """(store directory, OpsJob, KinetoJob or None) a verb reads: STORE_DIR, or --ops FILE or --kineto
-    DIR|FILE... made into a temporary store (removed afterwards), so a per-op table and Kineto traces
-    take the store's one path through the detectors."""
+    """(store directory, OpsJob, KinetoJob, InspectorJob or None) a verb reads: STORE_DIR, or --ops FILE,
+    --kineto DIR|FILE... or --nccl-inspector DIR made into a temporary store (removed afterwards), so a
+    per-op table, Kineto traces and NCCL Inspector logs take the store's one path through the detectors."""
+    given = [name for a, name in (("store", "STORE_DIR"), ("ops", "--ops"), ("kineto", "--kineto"),
+                                  ("nccl_inspector", "--nccl-inspector")) if getattr(args, a, None)]
+    if len(given) > 1:
+        raise CcldError(f"{' and '.join(given)}: give one of STORE_DIR, --ops FILE, --kineto DIR or "
+                        "--nccl-inspector DIR, not both")
+    if getattr(args, "nccl_inspector", None):
+        from ccld.diagnose.inspector import inspector_store
+        with inspector_store(args.nccl_inspector) as (store, ijob):
+            yield store, ijob
+        return
     if getattr(args, "kineto", None):
-        if args.store or args.ops:
-            raise CcldError("give one of STORE_DIR, --ops FILE or --kineto DIR")
         from ccld.diagnose.kineto import kineto_store
         with kineto_store(args.kineto) as (store, job):
             yield store, job
         return
     if getattr(args, "ops", None):
-        if args.store:
-            raise CcldError("give STORE_DIR or --ops FILE, not both")
         from ccld.diagnose.opframes import table_store
         with table_store(args.ops) as (store, job):
             for line in job.table.bad_lines():  # a bad row is one line; the rest was read
@@ -171,7 +177,8 @@ def _source(args) -> Iterator[Tuple[str, Any]]:
         return
     if not args.store:
         raise CcldError(f"nothing to {args.verb}: give STORE_DIR, "
-                        + ("--flight-recorder DIR, " if args.verb == "diagnose" else "") + "--ops FILE or --kineto DIR")
+                        + ("--flight-recorder DIR, " if args.verb == "diagnose" else "")
+                        + "--ops FILE, --kineto DIR or --nccl-inspector DIR")
     yield args.store, None
 
 
@@ -179,6 +186,8 @@ def _source_name(args) -> Optional[str]:
     """What a report says it was made from, when not a store."""
     if getattr(args, "kineto", None):
         return "--kineto " + " ".join(args.kineto)
+    if getattr(args, "nccl_inspector", None):
+        return f"--nccl-inspector {args.nccl_inspector}"
     return f"--ops {args.ops}" if getattr(args, "ops", None) else None
 
 
@@ -187,8 +196,9 @@ def cmd_diagnose(args) -> int:
     from ccld.diagnose.replay import format_report, replay
     if args.flight_recorder:
         from ccld.diagnose.frcheck import diagnose_dumps, format_detail, format_dumps
-        if args.store or args.ops or args.kineto:
-            raise CcldError("give one of STORE_DIR, --flight-recorder DIR, --ops FILE or --kineto DIR")
+        if args.store or args.ops or args.kineto or args.nccl_inspector:
+            raise CcldError("give one of STORE_DIR, --flight-recorder DIR, --ops FILE, --kineto DIR or "
+                            "--nccl-inspector DIR")
         findings, dumps = diagnose_dumps(args.flight_recorder, prefix=args.fr_prefix,
                                          **({} if args.hang_after is None else {"floor_s": args.hang_after}))
         lines = [json.dumps(f.to_json()) for f in findings] if args.json else format_dumps(dumps) + (
@@ -207,6 +217,9 @@ def cmd_diagnose(args) -> int:
     if job is not None and args.kineto:
         from ccld.diagnose.kineto import format_kineto
         head = format_kineto(job) + format_report(report, store=False)
+    elif job is not None and args.nccl_inspector:
+        from ccld.diagnose.inspector import format_inspector
+        head = format_inspector(job) + format_report(report, store=False)
     elif job is not None:
         from ccld.diagnose.opframes import format_job
         head = format_job(job) + format_report(report, store=False)

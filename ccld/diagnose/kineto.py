@@ -35,13 +35,12 @@ import gzip
 import json
 import math
 import os
-import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ccld.diagnose.frcheck import rank_span
-from ccld.diagnose.opframes import OpsJob, format_job, job_store, make_job
+from ccld.diagnose.opframes import OpsJob, format_groups, ranks_of_world, rows_store
 from ccld.diagnose.optable import DEFAULT_GROUP, MAX_RANK, OpsTable, Row, guess_kind, normalize_op
 from ccld.errors import CcldError
 
@@ -330,11 +329,9 @@ CLOCKS = {"base": "each trace's baseTimeNanoseconds + ts: Unix time, ranks on on
 def format_set(ks: KinetoSet) -> List[str]:
     """What was read: one line for the traces, the clock, one per source of collectives."""
     ranks = [t.rank for t in ks.traces]
-    absent = sorted(set(range(ks.world)) - set(ranks))
+    of_world, absent = ranks_of_world(ranks, ks.world, "trace")
     backends = sorted({t.backend for t in ks.traces})
-    lines = [f"kineto traces {ks.path}: {len(ks.traces)} trace{'s' * (len(ks.traces) != 1)}, "
-             f"rank{'s' * (len(ranks) > 1)} {rank_span(ranks)} of world size {ks.world}"
-             + (f" (no trace from rank{'s' * (len(absent) > 1)} {rank_span(absent)})" if absent else "")
+    lines = [f"kineto traces {ks.path}: {len(ks.traces)} trace{'s' * (len(ks.traces) != 1)}, {of_world}"
              + f", backend {', '.join(backends)}; {len(ks.table.rows)} collectives"]
     if absent:
         lines.append(f"  no trace from rank{'s' * (len(absent) > 1)} {rank_span(absent)}: the default group is "
@@ -370,17 +367,10 @@ def kineto_store(paths: List[str], say: Optional[Callable[[str], None]] = None
     makes of their rows (the same path as a per-op table's), removed afterwards. Each file skipped and
     each row that could not be placed is one line to `say` (stderr by default)."""
     ks = read_traces(paths)
-    job = make_job(ks.table, world=ks.world)
-    for line in ks.errors + job.table.bad_lines():
-        (say or _stderr)(f"ccld: {line}")
-    with job_store(job) as store:
+    with rows_store(ks.table, ks.world, ks.errors, say) as (store, job):
         yield store, KinetoJob(traces=ks, job=job)
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr)
-
-
 def format_kineto(kj: KinetoJob) -> List[str]:
-    """What was read (format_set), then the groups as the job has them (opframes.format_job)."""
-    return format_set(kj.traces) + [ln for ln in format_job(kj.job)[1:] if not ln.startswith("  compute rows")]
+    """What was read (format_set), then the groups as the job has them (opframes.format_groups)."""
+    return format_set(kj.traces) + format_groups(kj.job)

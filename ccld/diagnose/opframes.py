@@ -32,9 +32,10 @@ import collections
 import contextlib
 import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from ccld import __version__
 from ccld import wire as ev
@@ -248,6 +249,35 @@ def job_store(job: OpsJob) -> Iterator[str]:
         store = os.path.join(d, "store")
         write_store(job, store)
         yield store
+
+
+@contextlib.contextmanager
+def rows_store(table: OpsTable, world: int, errors: List[str],
+               say: Optional[Callable[[str], None]] = None) -> Iterator[Tuple[str, OpsJob]]:
+    """(store directory, job) of a reader's rows (Kineto traces', NCCL Inspector logs'): a temporary
+    store, removed afterwards. Each of `errors` (a file skipped) and each row that could not be placed
+    is one line to `say` (stderr by default)."""
+    job = make_job(table, world=world)
+    for line in errors + job.table.bad_lines():
+        (say or _stderr)(f"ccld: {line}")
+    with job_store(job) as store:
+        yield store, job
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def ranks_of_world(ranks: List[int], world: int, what: str) -> Tuple[str, List[int]]:
+    """("ranks 0,2,3 of world size 4 (no <what> from rank 1)", the absent ranks), for a reader's header."""
+    absent = sorted(set(range(world)) - set(ranks))
+    return (f"rank{'s' * (len(ranks) > 1)} {rank_span(ranks)} of world size {world}"
+            + (f" (no {what} from rank{'s' * (len(absent) > 1)} {rank_span(absent)})" if absent else ""), absent)
+
+
+def format_groups(job: OpsJob) -> List[str]:
+    """The groups' lines of format_job, for a reader that says what it read in its own header."""
+    return [ln for ln in format_job(job)[1:] if not ln.startswith("  compute rows")]
 
 
 def format_job(job: OpsJob) -> List[str]:
