@@ -240,7 +240,7 @@ def test_cli_prints_findings_and_maps_bad_dumps_to_one_error_line(tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith(f"ccld: {tmp_path}/fr_rank_1: not a complete pickle") and err.count("\n") == 1
     assert cli.main(["diagnose"]) == 1
-    assert "give STORE_DIR, or --flight-recorder DIR" in capsys.readouterr().err
+    assert "nothing to diagnose: give STORE_DIR, --flight-recorder DIR" in capsys.readouterr().err
 
 
 def test_cli_shows_where_the_odd_ranks_called_the_inconsistent_collective(tmp_path, capsys):

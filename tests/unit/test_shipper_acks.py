@@ -51,8 +51,10 @@ def stored_states(store):
 
 
 def acked_all(s, events, timeout_s=10.0):
-    """Wait until `events` events were sent and every frame made by then is acknowledged."""
+    """Wait until `events` events were sent, everything put was framed, and every frame is acknowledged
+    (framed first: on a loaded box the sender may not yet have framed the last events put)."""
     assert wait(lambda: s.sent_events >= events, timeout_s), s.stats()
+    assert wait(lambda: s.queued == 0, timeout_s), s.stats()
     last = s.last_batch
     assert wait(lambda: s.spool.acked(AGENT) >= last, timeout_s), (last, s.stats())
 
