@@ -148,47 +148,62 @@ def cmd_run(args) -> int:
                       use_bpf=not args.no_bpf, say=_say, perfetto=args.perfetto, metrics=args.metrics)
 
 
+# The sources a verb reads beside a store: (argument, flag, what it takes). Each is made into a temporary
+# store (removed afterwards), so a per-op table, Kineto traces and NCCL Inspector logs take the store's
+# one path through the detectors.
+_SOURCES = (("ops", "--ops", "FILE"), ("kineto", "--kineto", "DIR"), ("nccl_inspector", "--nccl-inspector", "DIR"))
+
+
+def _sources_text(first: str) -> str:
+    """"FIRST, --ops FILE, --kineto DIR or --nccl-inspector DIR", for the errors."""
+    names = [first] + [f"{flag} {what}" for _, flag, what in _SOURCES]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
 @contextlib.contextmanager
-def _source(args) -> Iterator[Tuple[str, Any]]:
-    """(store directory, OpsJob, KinetoJob, InspectorJob or None) a verb reads: STORE_DIR, or --ops FILE,
-    --kineto DIR|FILE... or --nccl-inspector DIR made into a temporary store (removed afterwards), so a
-    per-op table, Kineto traces and NCCL Inspector logs take the store's one path through the detectors."""
-    given = [name for a, name in (("store", "STORE_DIR"), ("ops", "--ops"), ("kineto", "--kineto"),
-                                  ("nccl_inspector", "--nccl-inspector")) if getattr(args, a, None)]
-    if len(given) > 1:
-        raise CcldError(f"{' and '.join(given)}: give one of STORE_DIR, --ops FILE, --kineto DIR or "
-                        "--nccl-inspector DIR, not both")
-    if getattr(args, "nccl_inspector", None):
-        from ccld.diagnose.inspector import inspector_store
-        with inspector_store(args.nccl_inspector) as (store, ijob):
-            yield store, ijob
-        return
-    if getattr(args, "kineto", None):
-        from ccld.diagnose.kineto import kineto_store
-        with kineto_store(args.kineto) as (store, job):
-            yield store, job
-        return
-    if getattr(args, "ops", None):
-        from ccld.diagnose.opframes import table_store
-        with table_store(args.ops) as (store, job):
+def _read_source(attr: str, value: Any) -> Iterator[Tuple[str, list]]:
+    """(store directory, the lines that say what was read) of one non-store source."""
+    if attr == "ops":
+        from ccld.diagnose.opframes import format_job, table_store
+        with table_store(value) as (store, job):
             for line in job.table.bad_lines():  # a bad row is one line; the rest was read
                 print(f"ccld: {line}", file=sys.stderr)
-            yield store, job
+            yield store, format_job(job)
+    elif attr == "kineto":
+        from ccld.diagnose.kineto import kineto_store
+        with kineto_store(value) as got:
+            yield got
+    else:
+        from ccld.diagnose.inspector import inspector_store
+        with inspector_store(value) as got:
+            yield got
+
+
+@contextlib.contextmanager
+def _source(args) -> Iterator[Tuple[str, Optional[list]]]:
+    """(store directory, the lines saying what was read, or None for STORE_DIR) a verb reads."""
+    given = [(attr, flag) for attr, flag, _ in _SOURCES if getattr(args, attr, None)]
+    if len(given) + bool(args.store) > 1:
+        names = (["STORE_DIR"] if args.store else []) + [flag for _, flag in given]
+        raise CcldError(f"{' and '.join(names)}: give one of {_sources_text('STORE_DIR')}, not both")
+    if given:
+        attr = given[0][0]
+        with _read_source(attr, getattr(args, attr)) as got:
+            yield got
         return
     if not args.store:
-        raise CcldError(f"nothing to {args.verb}: give STORE_DIR, "
-                        + ("--flight-recorder DIR, " if args.verb == "diagnose" else "")
-                        + "--ops FILE, --kineto DIR or --nccl-inspector DIR")
+        raise CcldError(f"nothing to {args.verb}: give "
+                        + _sources_text("STORE_DIR, --flight-recorder DIR" if args.verb == "diagnose" else "STORE_DIR"))
     yield args.store, None
 
 
 def _source_name(args) -> Optional[str]:
     """What a report says it was made from, when not a store."""
-    if getattr(args, "kineto", None):
-        return "--kineto " + " ".join(args.kineto)
-    if getattr(args, "nccl_inspector", None):
-        return f"--nccl-inspector {args.nccl_inspector}"
-    return f"--ops {args.ops}" if getattr(args, "ops", None) else None
+    for attr, flag, _ in _SOURCES:
+        value = getattr(args, attr, None)
+        if value:
+            return " ".join([flag] + (list(value) if isinstance(value, list) else [value]))
+    return None
 
 
 def cmd_diagnose(args) -> int:
@@ -196,9 +211,8 @@ def cmd_diagnose(args) -> int:
     from ccld.diagnose.replay import format_report, replay
     if args.flight_recorder:
         from ccld.diagnose.frcheck import diagnose_dumps, format_detail, format_dumps
-        if args.store or args.ops or args.kineto or args.nccl_inspector:
-            raise CcldError("give one of STORE_DIR, --flight-recorder DIR, --ops FILE, --kineto DIR or "
-                            "--nccl-inspector DIR")
+        if args.store or any(getattr(args, attr, None) for attr, _, _ in _SOURCES):
+            raise CcldError(f"give one of {_sources_text('STORE_DIR, --flight-recorder DIR')}")
         findings, dumps = diagnose_dumps(args.flight_recorder, prefix=args.fr_prefix,
                                          **({} if args.hang_after is None else {"floor_s": args.hang_after}))
         lines = [json.dumps(f.to_json()) for f in findings] if args.json else format_dumps(dumps) + (
@@ -206,7 +220,7 @@ def cmd_diagnose(args) -> int:
         for line in lines:
             print(line)
         return 0
-    with _source(args) as (store, job):
+    with _source(args) as (store, read):
         _timeline, findings, recoveries, report = replay(store, floor_s=args.hang_after)
     if args.json:
         for f in findings:
@@ -214,17 +228,7 @@ def cmd_diagnose(args) -> int:
         for r in recoveries:
             print(json.dumps(r))
         return 0
-    if job is not None and args.kineto:
-        from ccld.diagnose.kineto import format_kineto
-        head = format_kineto(job) + format_report(report, store=False)
-    elif job is not None and args.nccl_inspector:
-        from ccld.diagnose.inspector import format_inspector
-        head = format_inspector(job) + format_report(report, store=False)
-    elif job is not None:
-        from ccld.diagnose.opframes import format_job
-        head = format_job(job) + format_report(report, store=False)
-    else:
-        head = format_report(report)
+    head = format_report(report) if read is None else read + format_report(report, store=False)
     for line in head:
         print(line)
     if not findings:
@@ -256,7 +260,7 @@ def cmd_report(args) -> int:
         raise CcldError("--last must be at least 1")
     # progress lines for a person watching; a script gets only the summary line
     progress = (lambda m: print(f"ccld report: {m}", file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
-    with _source(args) as (store, job):
+    with _source(args) as (store, _read):
         s = write_report(store, args.output, progress=progress, comm=args.comm, last=args.last,
                          floor_s=args.hang_after, source=_source_name(args))
     _say(f"ccld report: {s['path']} ({s['bytes'] // 1024} KiB): {s['ranks']} ranks, {s['comms']} communicators, "
@@ -266,7 +270,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_export(args) -> int:
-    with _source(args) as (store, _job):
+    with _source(args) as (store, _read):
         return _export(args, store)
 
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ccld.diagnose.frcheck import rank_span
-from ccld.diagnose.opframes import OpsJob, format_groups, ranks_of_world, rows_store
-from ccld.diagnose.optable import MAX_RANK, OpsTable, Row, _gz_lines, guess_kind, normalize_op
+from ccld.diagnose.opframes import format_groups, ranks_of_world, rows_store
+from ccld.diagnose.optable import MAX_RANK, OpsTable, Row, gz_lines, guess_kind, normalize_op
 from ccld.errors import CcldError
 
 SUFFIXES = (".log", ".jsonl", ".log.gz", ".jsonl.gz")   # what the plugin (and its exporter) write
@@ -94,7 +94,7 @@ def log_files(path: str) -> List[str]:
 
 def _lines(path: str) -> Iterator[str]:
     if path.endswith(".gz"):
-        yield from _gz_lines(path)  # a truncated gzip keeps the lines before the cut, then EOFError
+        yield from gz_lines(path)  # a truncated gzip keeps the lines before the cut, then EOFError
     else:
         with open(path, "r", encoding="utf-8") as f:
             yield from f
@@ -276,23 +276,13 @@ def format_set(ks: InspectorSet) -> List[str]:
     return lines
 
 
-@dataclass
-class InspectorJob:
-    logs: InspectorSet
-    job: OpsJob
-
-
 @contextlib.contextmanager
 def inspector_store(path: str, say: Optional[Callable[[str], None]] = None
-                    ) -> Iterator[Tuple[str, InspectorJob]]:
-    """(store directory, InspectorJob) of the logs under `path`: a temporary store of the frames opframes
-    makes of their rows (a per-op table's path), removed afterwards. Each file skipped and each bad line
-    is one line to `say` (stderr by default)."""
+                    ) -> Iterator[Tuple[str, List[str]]]:
+    """(store directory, what was read: format_set, then the communicators as the job has them) of the
+    logs under `path`: a temporary store of the frames opframes makes of their rows (a per-op table's
+    path), removed afterwards. Each file skipped and each bad line is one line to `say` (stderr by
+    default)."""
     ks = read_logs(path)
     with rows_store(ks.table, ks.world, ks.errors, say) as (store, job):
-        yield store, InspectorJob(logs=ks, job=job)
-
-
-def format_inspector(ij: InspectorJob) -> List[str]:
-    """What was read (format_set), then the communicators as the job has them (opframes.format_groups)."""
-    return format_set(ij.logs) + format_groups(ij.job)
+        yield store, format_set(ks) + format_groups(job)

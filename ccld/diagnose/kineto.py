@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ccld.diagnose.frcheck import rank_span
-from ccld.diagnose.opframes import OpsJob, format_groups, ranks_of_world, rows_store
+from ccld.diagnose.opframes import format_groups, ranks_of_world, rows_store
 from ccld.diagnose.optable import DEFAULT_GROUP, MAX_RANK, OpsTable, Row, guess_kind, normalize_op
 from ccld.errors import CcldError
 
@@ -353,24 +353,13 @@ def format_set(ks: KinetoSet) -> List[str]:
     return lines
 
 
-@dataclass
-class KinetoJob:
-    """The traces (what was read) and the job opframes made of their rows."""
-    traces: KinetoSet
-    job: OpsJob
-
-
 @contextlib.contextmanager
 def kineto_store(paths: List[str], say: Optional[Callable[[str], None]] = None
-                 ) -> Iterator[Tuple[str, KinetoJob]]:
-    """(store directory, KinetoJob) of the traces of `paths`: a temporary store of the frames opframes
-    makes of their rows (the same path as a per-op table's), removed afterwards. Each file skipped and
-    each row that could not be placed is one line to `say` (stderr by default)."""
+                 ) -> Iterator[Tuple[str, List[str]]]:
+    """(store directory, what was read: format_set, then the groups as the job has them) of the traces
+    of `paths`: a temporary store of the frames opframes makes of their rows (the same path as a per-op
+    table's), removed afterwards. Each file skipped and each row that could not be placed is one line
+    to `say` (stderr by default)."""
     ks = read_traces(paths)
     with rows_store(ks.table, ks.world, ks.errors, say) as (store, job):
-        yield store, KinetoJob(traces=ks, job=job)
-
-
-def format_kineto(kj: KinetoJob) -> List[str]:
-    """What was read (format_set), then the groups as the job has them (opframes.format_groups)."""
-    return format_set(kj.traces) + format_groups(kj.job)
+        yield store, format_set(ks) + format_groups(job)

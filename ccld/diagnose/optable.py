@@ -134,7 +134,7 @@ def _records(path: str, table: OpsTable) -> Iterator[Tuple[int, Dict[str, Any]]]
     n = 0
     try:
         with contextlib.ExitStack() as stack:
-            f = _gz_lines(path) if gz else stack.enter_context(open(path, "r", encoding="utf-8", newline=""))
+            f = gz_lines(path) if gz else stack.enter_context(open(path, "r", encoding="utf-8", newline=""))
             if fmt == "csv":
                 reader = csv.DictReader(f)
                 cols = [c.strip() for c in reader.fieldnames or []]
@@ -171,7 +171,7 @@ def _records(path: str, table: OpsTable) -> Iterator[Tuple[int, Dict[str, Any]]]
         table.bad_row(f"{path}: after row {n}: not CSV ({e}); the rows before it are read")
 
 
-def _gz_lines(path: str) -> Iterator[str]:
+def gz_lines(path: str) -> Iterator[str]:
     """The lines of a gzip file (several members too), each with its newline. zlib rather than the gzip
     module, so a truncated file gives every line before the cut (the cut line itself is dropped) and
     then EOFError; damaged data raises zlib.error."""
