@@ -157,7 +157,7 @@ class BusyDetector:
 
     def _finding(self, tl: Timeline, job: str, culprits: List[int], ranks: List[int], recent, med, grew,
                  now: float, since: float) -> Finding:
-        comm = _home(tl, job, culprits)
+        comm = home_comm(tl, job, culprits)
         gi = {r: float(g) for r, g in zip(ranks, grew)}
         others = [gi[r] for r in ranks if r not in culprits]
         members = sorted(ranks)
@@ -183,7 +183,7 @@ class BusyDetector:
                        evidence=evidence, job=job)
 
 
-def _home(tl: Timeline, job: str, ranks: List[int]) -> Optional[Comm]:
+def home_comm(tl: Timeline, job: str, ranks: List[int]) -> Optional[Comm]:
     """The communicator the culprits communicate on most: the one with p2p ops of theirs, else the
     one with the most members (the default group)."""
     comms = [c for c in tl.comms.values() if c.job == job]

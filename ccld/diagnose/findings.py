@@ -19,7 +19,7 @@ STATE_NAMES = {"R": "running", "S": "sleeping", "D": "disk sleep", "T": "stopped
 
 @dataclass
 class Finding:
-    kind: str                      # "hang" | "slow"
+    kind: str                      # "hang" | "slow" | "info" (a verdict that blames nobody: `spread`)
     cls: str                       # the JSON "class": not-entered, inconsistent, fault, comp-slow, ...
     ranks: List[int]               # global ranks the finding blames
     comm: str
@@ -111,6 +111,9 @@ def format_line(f: Union[Finding, Dict[str, Any]]) -> str:
             raise TypeError("format_line takes a Finding, a recovery record or an update record")
         return line if len(line) <= LINE_COLS else line[:LINE_COLS - 3] + "..."
     ev = f.evidence or {}
+    if f.kind == "info":  # no culprit: what the job does, in words
+        line = f"INFO {f.cls} {short_comm(f.comm)} {f.op}: {ev.get('summary') or ev.get('note') or ''}"
+        return line if len(line) <= LINE_COLS else line[:LINE_COLS - 3] + "..."
     if f.kind == "slow" and not ev.get("informational"):
         line = (f"SLOW {f.cls} {_ranks_text(f.ranks)} {short_comm(f.comm)} {f.op}"
                 + (f" link {f.link[0]}->{f.link[1]}" if f.link else "") + f": {ev.get('summary') or ev.get('note') or ''}")

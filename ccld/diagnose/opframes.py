@@ -16,7 +16,10 @@ What the rows (optable.py) become, on the job's one clock (node ns = Unix ns: no
                 its rank's later collectives by one (the step bounds that to its step);
   p2p           P2P at start and P2PEnd at the end (waited on from start); the n-th send a->b pairs with
                 the n-th recv of b from a, as the timeline matches them;
-  compute       nothing: the wire schema has no compute event. Counted and said, never judged.
+  compute       a ComputeSpan at the
+                row's end, its op as the name: the timeline keeps each run's span (timeline/compute.py)
+                and compute.py compares each op's durations across the ranks. An empty duration (still
+                computing when the table ended) says nothing of how long it took: not sent.
 Frames are cut every SHIP_S of table time, as an agent ships, with one at least every HEARTBEAT_S
 through quiet stretches (hang.py stops judging ranks whose agent fell silent), the last at the
 table's end, which is the store's closed_at: "now" for the detectors. Start times from UNIX_AFTER on
@@ -171,6 +174,10 @@ def events(job: OpsJob) -> List[Tuple[float, ev.Event]]:
     p2p_n: Dict[Tuple[str, int, str, int], int] = collections.Counter()
     for r in job.rows:  # in time order: the n-th p2p op of a stream is its n-th in time
         if r.kind == "compute":
+            if r.duration is not None:  # sent when it is over, as a live source would
+                out.append((r.start + r.duration, 0, r.n, ev.ComputeSpan(
+                    pid=PID_BASE + r.rank, rank=r.rank, ts_ns=ns(r.start), end_ns=ns(r.start + r.duration),
+                    name=r.op, n=r.n)))
             continue
         pid, g = PID_BASE + r.rank, job.groups[r.group]
         end = None if r.duration is None else r.start + r.duration
@@ -276,8 +283,9 @@ def ranks_of_world(ranks: List[int], world: int, what: str) -> Tuple[str, List[i
 
 
 def format_groups(job: OpsJob) -> List[str]:
-    """The groups' lines of format_job, for a reader that says what it read in its own header."""
-    return [ln for ln in format_job(job)[1:] if not ln.startswith("  compute rows")]
+    """The groups' (and compute rows') lines of format_job, for a reader that says what it read in its own
+    header."""
+    return format_job(job)[1:]
 
 
 def format_job(job: OpsJob) -> List[str]:
@@ -296,6 +304,15 @@ def format_job(job: OpsJob) -> List[str]:
         lines.append(f"  group {g.name}: members {rank_span(g.members)}"
                      + (f", {g.collectives} collectives (seq {numbered})" if g.collectives else "")
                      + (f", {g.p2p} p2p rows" if g.p2p else ""))
-    if kinds["compute"]:
-        lines.append("  compute rows: not judged (the timeline has no compute events)")
+    lines += format_compute(job)
     return lines
+
+
+def format_compute(job: OpsJob) -> List[str]:
+    """The compute rows' line of format_job (none without compute rows)."""
+    ops = collections.Counter(r.op for r in job.rows if r.kind == "compute")
+    if not ops:
+        return []
+    names = ", ".join(op for op, _ in ops.most_common(3)) + (f" (+{len(ops) - 3})" if len(ops) > 3 else "")
+    return [f"  compute: {sum(ops.values())} rows of {len(ops)} op{'s' * (len(ops) > 1)} ({names}), each op's "
+            "durations compared across its ranks"]

@@ -13,7 +13,14 @@ which:
   - the others spent at least MIN_COST of the episode waiting for it (a 5 ms lag on a 10 s step is
     not worth a line).
 The longest such episode is taken (a change point: the lateness began where it starts), so a rank
-that turns slow is named MIN_EPISODE_S after it did, whatever came before.
+that turns slow is named MIN_EPISODE_S after it did, whatever came before. The rules, and the
+summaries they read, are episodes.py's (compute.py judges compute durations by them too).
+Ranks slowed together (a pipeline stage, a node): when as many ranks are late as are on time, the
+median sits between them and nobody is late by it; each collective's late cluster is then judged
+against the clusters' own noise (not in a job that passes work along a pipeline, where every stage
+after a slow one arrives late with it), and the ranks named are one finding that says they were slow
+together. A window with someone late in most collectives, costing the others MIN_COST of the time,
+but no rank late in most of them, is `spread`: an informational finding (kind "info", no ranks).
 Evidence: the lag numbers, the noise and threshold, and what the late rank's process did: runqueue
 wait (SchedStats: CPU contention), disk I/O or CPU use (/proc), against the other ranks'.
 Not judged: a subgroup of two ranks (a pair that is not the job's whole world). In a pair, the later
@@ -29,29 +36,19 @@ aggregates the summaries' few late ranks.
 from __future__ import annotations
 
 import collections
-import math
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ccld.timeline.timeline import Comm, CollView, Timeline
+from ccld.diagnose.episodes import (MIN_COLLS, MIN_LATE, CollSummary, bucket, judge, notable,
+                                    ranks_words, spread_finding, summarize_values)
 from ccld.diagnose.findings import Finding, short_comm
 from ccld.diagnose.hang import EVIDENCE_RANKS, rank_evidence
 
 WINDOW_S = 30.0          # lateness is judged over the collectives completed in the last 30 s
 MAX_SCAN = 2048          # newest collectives of a communicator looked at per tick (bounds a fast job)
-MIN_COLLS = 20           # collectives of one op in the window before that op is judged
-LATE_FRACTION = 0.5      # late in at least half of them: "step after step"
-MIN_LATE = 10            # ... and at least this many times
-MIN_EPISODE_S = 5.0      # ... over at least 5 s: "step after step", not a one-second burst
-SPAN_FRACTION = 0.5      # the late collectives cover at least half of the window: not one burst
-LAG_FLOOR_S = 0.005      # 5 ms: below this, arrival order on a busy host is scheduling noise
-NOISE_Z = 4.0            # ... or this many robust sigmas of the job's own arrival noise
-MIN_COST = 0.05          # the others waited for it at least 5 % of the window's time
-PRE_LAG_S = 0.001        # lags kept per collective summary: above 1 ms and 3 MADs of that collective
-MAX_LATE_PER_COLL = 32   # "one or a few ranks": more late ranks than this in one collective are not kept
-SMALL_GROUP = 64         # collectives of up to this many ranks are summarised without numpy
 CONTENDED_RUNQ = 0.05    # runnable-but-waiting s per s that counts as CPU contention ...
 CONTENDED_VS_OTHERS = 2.0  # ... and this many times the other ranks' median (a label on a rank already late)
 SLOWER_CPU = 1.5         # a late rank whose own link is slow, waiting this much more for a CPU: one cause
@@ -62,60 +59,11 @@ BUSY_CPU = 0.5           # CPU s per s that counts as compute-bound ...
 MORE_CPU = 0.15          # ... when it is this much more than the other ranks' median
 
 
-@dataclass(frozen=True)
-class CollSummary:
-    """One completed collective, reduced to what lateness needs."""
-    seq: int
-    op: str
-    first_enter: float
-    completed_at: float
-    mad: float                           # median absolute lag of its ranks, s
-    late: Tuple[Tuple[int, float], ...]  # (rank, lag s) of ranks well above the median
-
-
 def summarize(view: CollView) -> Optional[CollSummary]:
-    n = len(view.enter)
-    if n < 2 or view.completed_at is None:
+    """A completed collective's summary: its ranks' enter times (episodes.summarize_values)."""
+    if view.completed_at is None:
         return None
-    if n <= SMALL_GROUP:  # numpy's per-call overhead dominates below a few dozen values
-        lo, hi = min(view.enter.values()), max(view.enter.values())
-        if hi - lo <= PRE_LAG_S:  # all arrived within a millisecond (most collectives): nobody late, and
-            # half the spread bounds the MAD (its noise weight is below LAG_FLOOR_S anyway)
-            return CollSummary(view.seq, view.op, lo, view.completed_at, (hi - lo) / 2, ())
-        times = sorted(view.enter.values())
-        ref = times[0] if n == 2 else _mid(times)
-        mad = 0.0 if n == 2 else _mid(sorted(abs(x - ref) for x in times))
-        cut = max(PRE_LAG_S, 3 * 1.4826 * mad)
-        late = tuple(sorted(((r, x - ref) for r, x in view.enter.items() if x - ref > cut),
-                            key=lambda p: p[1])[-MAX_LATE_PER_COLL:])
-        return CollSummary(view.seq, view.op, times[0], view.completed_at, mad, late)
-    ranks = list(view.enter)
-    arr = np.fromiter(view.enter.values(), dtype=float, count=n)
-    ref = float(np.median(arr))
-    lag = arr - ref
-    mad = float(np.median(np.abs(lag)))
-    cut = max(PRE_LAG_S, 3 * 1.4826 * mad)
-    idx = np.flatnonzero(lag > cut)
-    if len(idx) > MAX_LATE_PER_COLL:
-        idx = idx[np.argsort(lag[idx])[-MAX_LATE_PER_COLL:]]
-    late = tuple((ranks[i], float(lag[i])) for i in idx)
-    return CollSummary(view.seq, view.op, float(arr.min()), view.completed_at, mad, late)
-
-
-def _mid(xs: List[float]) -> float:
-    """The median of a sorted list."""
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-
-
-def _bucket(x: float) -> str:
-    """A lag on a 1-1.5-2-3-5-7 scale, for the summary line: it changes only when the lag really moves."""
-    if x <= 0:
-        return "0 ms"
-    e = math.floor(math.log10(x))
-    m = x / 10 ** e
-    v = min((1, 1.5, 2, 3, 5, 7, 10), key=lambda c: abs(math.log(m / c))) * 10 ** e
-    return f"~{v * 1000:g} ms" if v < 1 else f"~{v:g} s"
+    return summarize_values(view.seq, view.op, view.enter, view.completed_at)
 
 
 def _median(xs: List[float]) -> Optional[float]:
@@ -159,7 +107,7 @@ class _Window:
     newest: int = -1               # highest seq looked at
     completed: int = -1            # comm.completed when last looked at: unchanged means nothing to add
     open: Dict[int, None] = field(default_factory=dict)  # seqs seen before they completed: looked at again
-    late: int = 0                  # summaries in `items` with a lag above LAG_FLOOR_S
+    late: int = 0                  # summaries in `items` with a lag above LAG_FLOOR_S (episodes.notable)
 
 
 class LatenessDetector:
@@ -172,7 +120,7 @@ class LatenessDetector:
         s = summarize(view)
         if s is not None:
             w.items.append(s)
-            w.late += any(lag > LAG_FLOOR_S for _, lag in s.late)
+            w.late += notable(s)
 
     def _window(self, comm: Comm, now: float) -> _Window:
         w = self._windows.get(comm.id)
@@ -205,7 +153,7 @@ class LatenessDetector:
                 self._add(w, view)
         while w.items and (w.items[0].completed_at < horizon or seq_gone(comm, w.items[0].seq)):
             old = w.items.popleft()
-            w.late -= any(lag > LAG_FLOOR_S for _, lag in old.late)
+            w.late -= notable(old)
         return w
 
     def find(self, tl: Timeline, now: float) -> List[Finding]:
@@ -215,7 +163,7 @@ class LatenessDetector:
                 continue
             w = self._window(comm, now)
             if w.late < MIN_LATE or len(w.items) < MIN_COLLS:
-                continue  # nobody was late often enough for any rank to be comp-slow: the common case
+                continue  # nobody was late often enough to be comp-slow or spread: the common case
             window = sorted((v for v in w.items if v.completed_at <= now), key=lambda v: v.seq)
             f = self._check(tl, comm, window, now)
             if f is not None:
@@ -227,85 +175,49 @@ class LatenessDetector:
     def _check(self, tl: Timeline, comm: Comm, window: List[CollSummary], now: float) -> Optional[Finding]:
         if len(window) < MIN_COLLS:
             return None
-        sigma = 1.4826 * float(np.median([s.mad for s in window]))
-        threshold = max(LAG_FLOOR_S, NOISE_Z * sigma)
-        by_op: Dict[str, List[CollSummary]] = collections.defaultdict(list)
-        for s in window:
-            by_op[s.op].append(s)
-        slow: Dict[int, Dict[str, Any]] = {}
-        for op, colls in by_op.items():
-            if len(colls) < MIN_COLLS:
-                continue
-            where = {s.seq: i for i, s in enumerate(colls)}
-            lags: Dict[int, Dict[int, float]] = collections.defaultdict(dict)  # rank -> index -> lag
-            for s in colls:
-                for r, lag in s.late:
-                    if lag > threshold:
-                        lags[r][where[s.seq]] = lag
-            for r, got in lags.items():
-                found = _episode(colls, got)
-                if found is None or (r in slow and slow[r]["waited_fraction"] >= found["waited_fraction"]):
-                    continue
-                slow[r] = dict(found, op=op)
-        if not slow:
-            return None
-        ranks = sorted(slow)
         members = sorted(tl.expected_members(comm.id))
+        j = judge(window, len(members), clusters=not pipelined(tl, comm.job))
+        if not j.slow:
+            return None if j.spread is None else spread_finding(comm.job, comm.id, j.spread, now, "arriving",
+                                                                "the collectives")
+        slow = j.slow
+        ranks = sorted(slow)
         details = []
         for r in ranks[:EVIDENCE_RANKS]:
             details.append(dict(rank_evidence(tl, comm, r, now), **slow[r], **_cause(tl, comm, r, members)))
         worst = max(ranks, key=lambda r: slow[r]["waited_fraction"])
         op = slow[worst]["op"]
-        shown = "; ".join(f"rank {d['rank']} {_bucket(d['median_lag_s'])} late at {d['op']} ({d['cause']})"
-                          for d in details[:3])
+        if j.together:
+            lag = sorted(slow[r]["median_lag_s"] for r in ranks)[len(ranks) // 2]
+            shown = f"{ranks_words(ranks)} slow together: {bucket(lag)} late at {op}"
+        else:
+            shown = "; ".join(f"rank {d['rank']} {bucket(d['median_lag_s'])} late at {d['op']} ({d['cause']})"
+                              for d in details[:3]) + (f" (+{len(ranks) - 3})" if len(ranks) > 3 else "")
         evidence = {"reason": "late-arrival", "window_s": WINDOW_S, "collectives": len(window),
-                    "noise_sigma_s": round(sigma, 6), "threshold_s": round(threshold, 6),
+                    "noise_sigma_s": round(j.sigma, 6), "threshold_s": round(j.threshold, 6),
                     "first_late_seq": min(slow[r]["first_late_seq"] for r in ranks),
-                    "ranks": details, "summary": shown + (f" (+{len(ranks) - 3})" if len(ranks) > 3 else ""),
+                    "ranks": details, "summary": shown,
                     "note": f"the other ranks of {short_comm(comm.id)} wait for "
                             f"{'these ranks' if len(ranks) > 1 else 'this rank'} at collectives, step after step"}
+        if j.together or j.grouped:  # said only when so: a finding of one late rank reads as it always did
+            evidence.update(together=j.together, grouped=j.grouped)
+            evidence["note"] += (" (slow together, by about the same lag: one pipeline stage, node or shared "
+                                 "resource)" if j.together else "")
         onset = min(slow[r]["first_late_at"] for r in ranks)
         return Finding(kind="slow", cls="comp-slow", ranks=ranks, comm=comm.id, seq=-1, op=op,
                        onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
+
+
+def pipelined(tl: Timeline, job: str) -> bool:
+    """Whether ranks of `job` send each other work (p2p): then a stage late at a collective may only be
+    downstream of the slow one."""
+    return any(c.job == job and c.p2p is not None and c.p2p.last_posted for c in list(tl.comms.values()))
 
 
 def _judged(tl: Timeline, comm: Comm) -> bool:
     """Whether lateness at `comm` can point at a rank: three members or more, or the job's whole world."""
     members = tl.expected_members(comm.id)
     return len(members) >= 3 or len(members) == tl.jobs.get(comm.job, -1)
-
-
-def _episode(colls: List[CollSummary], late: Dict[int, float]) -> Optional[Dict[str, Any]]:
-    """The longest newest run of `colls` in which a rank late at indexes `late` (-> lag s) is
-    comp-slow (see the module's rules), as evidence numbers; None when there is none."""
-    if len(late) < MIN_LATE:
-        return None
-    n_all = len(colls)
-    best = None
-    count = 0
-    for n in range(1, n_all + 1):  # suffixes of growing length, newest first
-        if n_all - n in late:
-            count += 1
-        if n >= MIN_COLLS and count >= max(MIN_LATE, LATE_FRACTION * n):
-            best = n
-    if best is None:
-        return None
-    start = n_all - best
-    span = colls[-1].completed_at - colls[start].first_enter
-    if span < MIN_EPISODE_S:
-        return None
-    idx = sorted(i for i in late if i >= start)
-    if colls[idx[-1]].first_enter - colls[idx[0]].first_enter < SPAN_FRACTION * span:
-        return None
-    values = sorted(late[i] for i in idx)
-    cost = sum(values) / span
-    if cost < MIN_COST:
-        return None
-    return {"late_in": len(idx), "of": best, "episode_s": round(span, 3), "waited_fraction": round(cost, 3),
-            "median_lag_s": round(values[len(values) // 2], 6),
-            "p90_lag_s": round(values[min(len(values) - 1, int(0.9 * len(values)))], 6),
-            "max_lag_s": round(values[-1], 6), "first_late_seq": colls[idx[0]].seq,
-            "first_late_at": colls[idx[0]].first_enter + late[idx[0]]}
 
 
 def contended_inside(tl: Timeline, comm_slow: List[Finding], now: float) -> Tuple[List[Finding], List[Finding]]:

@@ -14,7 +14,8 @@ user read is no longer true. But when the same collective is still stuck and onl
 (the hung rank was then stopped or died: not-entered -> fault; a busy rank's pause became a hang),
 the new finding supersedes the old one silently: nothing recovered. A slowdown of a communicator
 that is now reported as another class (comm-slow -> comp-slow once the late rank is known,
-comp-slow -> mixed-slow) is superseded the same way, as is a pause that became a hang.
+comp-slow -> mixed-slow) is superseded the same way, as is a pause that became a hang, and a `spread`
+verdict (kind "info", held like a slowdown) once a culprit of that communicator is named.
 """
 from __future__ import annotations
 
@@ -94,10 +95,10 @@ class FindingTracker:
         for k in [k for k in self.active if k not in seen]:
             f = self.active[k]
             superseded = (f.comm, f.seq, tuple(f.ranks)) in still or (
-                f.kind == "hang" and (f.job, tuple(f.ranks)) in still) or (f.kind == "slow" and any(
+                f.kind == "hang" and (f.job, tuple(f.ranks)) in still) or (f.kind in ("slow", "info") and any(
                 g.kind == "slow" and g.comm == f.comm and g.seq == f.seq and (f.seq < 0 or set(f.ranks) <= set(g.ranks))
                 for g in seen.values()))
-            if f.kind == "slow" and f.seq < 0 and not superseded:
+            if f.kind in ("slow", "info") and f.seq < 0 and not superseded:
                 since = self._absent_since.setdefault(k, now)
                 if now - since < self.slow_clear_s:
                     continue

@@ -91,6 +91,8 @@ def summary_line(s: Dict[str, Any]) -> str:
     replay = f"; findings {s['replay_s']:.1f} s" if s.get("replay_s") else ""
     gpu = s.get("gpu_kernels", 0) + s.get("gpu_memops", 0)
     gpu = f" ({gpu} GPU, {s.get('gpu_joined', 0)} kernels joined to collectives)" if gpu else ""
+    if s.get("compute_spans"):  # a table's or trace's compute rows (timeline/compute.py)
+        gpu += f" ({s['compute_spans']} compute)"
     return (f"ccld export: {s['out']} ({s['bytes'] / 2**20:.1f} MiB): {s['tracks']} tracks, {s['slices']} slices"
             f"{gpu}, {s['flows']} flows, {s.get('counters', 0)} counter samples, {n} finding{'s' * (n != 1)}; "
             f"{s['events']} events in {s['seconds']:.1f} s "

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 ABNORMAL_STATES = {"T": "stopped", "t": "tracing stop", "Z": "zombie", "X": "dead", "D": "disk sleep"}
 RARE_KINDS = frozenset(("rank", "comm", "p2p", "proc", "rank_exit", "loss", "hello", "probe", "link", "sched",
-                        "gpu_kernel", "gpu_memop", "gpu_loss"))
+                        "gpu_kernel", "gpu_memop", "gpu_loss", "compute"))
 
 
 def rare(m: "TraceModel", agent: str, node: str, procs: Dict[int, Proc], k: str, e: dict, off: int) -> None:
@@ -38,6 +38,9 @@ def rare(m: "TraceModel", agent: str, node: str, procs: Dict[int, Proc], k: str,
         m.max_ts = ts
     if k == "gpu_kernel" or k == "gpu_memop":
         gpu.record(m, node, procs, k, e, off)
+    elif k == "compute":  # a table's or trace's compute span: drawn like a kernel, on its own track
+        span = dict(e, device=gpu.COMPUTE_DEVICE, stream=0, corr=e.get("n", -1))
+        gpu.record(m, node, procs, "gpu_kernel", span, off)
     elif k == "link":
         p = procs.get(e["pid"]) or m.new_proc(node, e["pid"], e["rank"])
         m.net.on_link(node, p, e, ts)

@@ -52,7 +52,7 @@ def failure_records(store_dir: str, findings_path: Optional[str] = None, hang_af
     if findings_path:
         found, ends = _findings_from_file(findings_path)
     else:
-        found = [f.to_json() for f in findings]
+        found = [f.to_json() for f in findings if f.kind in ("hang", "slow")]  # an info verdict is no failure
         ends = {}
         for r in recoveries:
             ends.setdefault(str(r["id"]), r["recovered_at"])

@@ -1,6 +1,7 @@
 """GPU activity in the trace (CUPTI's GpuKernel / GpuMemop / GpuLoss): a track per (device, stream) under
 each rank's process track, a slice per kernel and per memcpy/memset, and a flow from a rank's collective
-slice to the NCCL kernel that ran it.
+slice to the NCCL kernel that ran it. A ComputeSpan (facts.py hands it here on COMPUTE_DEVICE) is a compute span of a per-op table or
+a trace (timeline/compute.py), drawn on a "compute" track of its rank: no GPU, nothing to join.
 
 Join: the collector's rule (ccld/timeline/gpujoin.py), applied as the trace is written: an NCCL kernel launched
 by thread T at L runs the collectives T entered at or before L (within MAX_LAUNCH_LAG_NS) not yet run by
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
 
 from ccld.export.tracks import Lanes, Proc
 from ccld.timeline import gpujoin
+from ccld.timeline.compute import COMPUTE_DEVICE
 from ccld.timeline.gpujoin import MAX_LAUNCH_LAG_NS
 
 if TYPE_CHECKING:
@@ -98,7 +100,9 @@ def record(m: "TraceModel", node: str, procs: Dict[int, Proc], k: str, e: dict, 
     p = procs.get(pid) or m.new_proc(node, pid, e["rank"])
     if p.skip:
         return
-    gpu_proc(p).seen = True
+    compute = e.get("device") == COMPUTE_DEVICE  # a table's or trace's compute span: no GPU, no kernel to join
+    if not compute:
+        gpu_proc(p).seen = True
     raw = _int(e, "ts_ns")
     b, end = raw + off, _int(e, "end_ns") + off
     if end < b:
@@ -118,8 +122,8 @@ def record(m: "TraceModel", node: str, procs: Dict[int, Proc], k: str, e: dict, 
         for key in EXTRA_KERNEL_ARGS:
             if key in e:
                 args.append((key, e[key] if type(e[key]) in (int, str) else str(e[key])))
-        nccl = e.get("nccl") is True and e.get("op") != "sendrecv"  # P2P kernels: no seq to join on
-        m.stats["gpu_kernels"] += 1
+        nccl = e.get("nccl") is True and e.get("op") != "sendrecv" and not compute  # P2P: no seq to join on
+        m.stats["compute_spans" if compute else "gpu_kernels"] += 1
     else:
         op = e["op"]
         kind = e.get("copy_kind", 0)
@@ -173,8 +177,8 @@ def emit(m: "TraceModel", b: int, p: Proc, name: str, payload: tuple) -> None:
                 lanes = g.streams[(-1, -1)] = Lanes(m, m.proc_track(p), "GPU streams (more)", 0,
                                                      base=STREAM_ORDER + 10 * (MAX_STREAMS - 1))
         else:
-            lanes = g.streams[(dev, stream)] = Lanes(m, m.proc_track(p), f"GPU {dev} stream {stream}", 0,
-                                                     base=STREAM_ORDER + 10 * n)
+            label = "compute" if dev == COMPUTE_DEVICE else f"GPU {dev} stream {stream}"
+            lanes = g.streams[(dev, stream)] = Lanes(m, m.proc_track(p), label, 0, base=STREAM_ORDER + 10 * n)
     t = lanes.pick(b, end)
     if not t.declared:
         m.declare(t)

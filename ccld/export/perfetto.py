@@ -106,6 +106,7 @@ def run_export(store_dir: str, out_path: str, make_sink: Callable[[Any], Any], m
              "slices": st["slices"], "instants": st["instants"], "counters": st["counters"],
              "flows": st["flows"], "findings": st["findings"], "findings_total": len(found),
              "gpu_kernels": st["gpu_kernels"], "gpu_memops": st["gpu_memops"], "gpu_joined": st["gpu_joined"],
+             "compute_spans": st["compute_spans"],
              "gpu_unjoined": st["gpu_unjoined"], "gpu_flows": st["gpu_flows"],
              "extra_lanes": st["extra_lanes"], "reordered": st["reordered"], "bad_events": st["bad_events"],
              "skipped_events": st["skipped_events"], "frames_rejected": dict(model.frames_rejected),

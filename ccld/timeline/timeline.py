@@ -24,8 +24,10 @@ from typing import Any, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 from ccld import wire as ev
 from ccld.timeline.blocked import BlockedTable
 from ccld.timeline.clock import ClockTable
+from ccld.timeline.compute import ComputeTable
 from ccld.timeline.gpu import GPU_EVENTS, GpuJoin
 from ccld.timeline.links import LinkTable
+from ccld.timeline.netprog import ProgressTable
 from ccld.timeline.p2p import CommP2P, P2POp
 from ccld.timeline.rdma import RdmaTable
 from ccld.wire.blocks import Block, in_order, run_rows
@@ -181,7 +183,9 @@ class Timeline:
         self.gpu = GpuJoin(self)  # CUPTI kernels joined to collectives
         self.links = LinkTable(self.anomalies)
         self.rdma = RdmaTable(self.anomalies)
+        self.progress = ProgressTable(self.anomalies)  # NCCL proxy progress per link (profiler plugin)
         self.blocked = BlockedTable(self.anomalies)  # per rank, time spent waiting in communication
+        self.compute = ComputeTable(self.anomalies)  # per rank, each run of each compute op (tables, traces)
         # Exact per-(global rank, op) counts, for tests and sanity checks (all jobs together).
         self.enter_counts: collections.Counter = collections.Counter()
         self.end_counts: collections.Counter = collections.Counter()
@@ -437,11 +441,32 @@ class Timeline:
                 self.gpu.on_enter(node, e)
             elif isinstance(e, ev.WorkEnd):
                 self.clock.observe_end(agent, e)  # ranks leave a collective together: aligns the nodes' clocks
+        elif isinstance(e, ev.NetProgress):
+            self._net_progress(agent, node, e)
+        elif isinstance(e, ev.ComputeSpan):
+            self._compute(agent, node, e, t)  # a compute span of a table or trace
         elif isinstance(e, GPU_EVENTS):
             self.gpu.note_capture(node, e.pid)
             self.gpu.apply(agent, node, e)
         else:
             self.anomalies[f"unhandled-kind:{e.KIND}"] += 1  # a kind the schema knows but the timeline does not use
+
+    def _compute(self, agent: str, node: str, e: ev.ComputeSpan, t: float) -> None:
+        rec = self.ranks.get((node, e.pid))
+        if rec is None or rec.rank < 0:
+            self.anomalies["compute-unknown-rank"] += 1
+            return
+        end = self.clock.to_unix(agent, e.end_ns)
+        rec.saw(end)
+        self.compute.add(rec.job, rec.rank, e.name, t, end)
+
+    def _net_progress(self, agent: str, node: str, e: ev.NetProgress) -> None:
+        rec = self.ranks.get((node, e.pid))
+        comm = self.comms.get(e.comm)
+        group_rank = comm.group_of.get(e.rank) if comm is not None else None
+        self.progress.update(e, group_rank, lambda ns: self.clock.to_unix(agent, ns))
+        if rec is not None:
+            rec.saw(self.clock.to_unix(agent, e.ts_ns))
 
     def _rank_info(self, agent: str, node: str, e: ev.RankInfo, t: float) -> None:
         if e.world_size > MAX_WORLD_SIZE or e.rank >= MAX_WORLD_SIZE:

@@ -22,13 +22,13 @@ from ccld import wire as ev
 from ccld.errors import CcldError
 
 ENV = "CCLD_TEST_CLOCK"
-# Fields holding this node's CLOCK_MONOTONIC ns (0 in launch_ns/last_*_ns means "none": kept 0).
-MONO_FIELDS = ("ts_ns", "end_ns", "launch_ns", "last_tx_ns", "last_rx_ns", "mono_ns", "wait_ns")
+# Fields holding this node's CLOCK_MONOTONIC ns (0 in launch_ns/last_*ns means "none": kept 0).
+MONO_FIELDS = ("ts_ns", "end_ns", "launch_ns", "last_tx_ns", "last_rx_ns", "mono_ns", "wait_ns", "last_ns")
 # Fields ending in _ns that are NOT monotonic times: durations and counters, and the wall clock
 # (shifted with its ClockSample's mono_ns). tests/unit/test_nodeclock.py checks that every *_ns
 # field of the schema is in one of the two lists, so a new time field cannot escape the transform.
 NOT_MONO_FIELDS = ("cpu_ns", "runq_ns", "runq_max_ns", "offcpu_ns", "wall_ns",
-                   "ref_ns", "offset_ns", "uncertainty_ns", "rtt_min_ns", "residual_ns")
+                   "ref_ns", "offset_ns", "uncertainty_ns", "rtt_min_ns", "residual_ns", "net_wait_ns", "gpu_wait_ns")
 MAX_TEST_OFFSET_S = 1e6        # ~11 days either way: beyond that it is a typo
 MAX_TEST_DRIFT_PPM = 1000.0    # far beyond a real crystal (tens of ppm)
 

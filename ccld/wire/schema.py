@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Tuple, Type
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 6  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync;
+SCHEMA_MINOR = 7  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync;
                   # 1.4 column blocks (blocks.py) for coll/start/end; the envelope's "resend" flag;
                   # 1.5 p2p_end, P2P's seq/nbytes/lib_seq, CollEnter's lib_seq, CommInit's seq_source;
-                  # 1.6 RankExit's exact, signal and by_launcher
+                  # 1.6 RankExit's exact, signal and by_launcher; 1.7 net_progress (NCCL profiler plugin), compute
 # CommInit.seq_source: how a rank numbers `seq` (collectives) and P2P.seq on that communicator
 SEQ_LIBRARY = "library"      # the library's own collective counter (gloo: c10d's tag): exact, also mid-run
 SEQ_FROM_INIT = "counted"    # counted by the agent from the group's creation: exact
@@ -384,12 +384,53 @@ class GpuLoss(Event):
     counters: Dict[str, int] = field(default_factory=dict)
 
 
+
+@dataclass(frozen=True)
+class NetProgress(Event):
+    """How one rank's transfers to (send) or from (recv) one peer of communicator `comm` moved on one
+    NCCL channel over an interval ending at `ts_ns`, from NCCL's proxy steps (ccld's NCCL profiler
+    plugin sums them in the rank; never one event per step). `nbytes`/`steps`: what completed in the
+    interval; `net_wait_ns`: summed time its steps waited on the network (the peer), `gpu_wait_ns`:
+    on the GPU (data not ready, or a flush); `in_flight`: steps posted and not done at `ts_ns`;
+    `last_ns`: when a step last moved (0: none yet). `peer` is a rank of `comm` (group rank). All
+    times this node's CLOCK_MONOTONIC ns."""
+    KIND: ClassVar[str] = "net_progress"
+    pid: int
+    rank: int
+    ts_ns: int
+    comm: str
+    peer: int
+    send: bool
+    channel: int = 0
+    nbytes: int = 0
+    steps: int = 0
+    net_wait_ns: int = 0
+    gpu_wait_ns: int = 0
+    in_flight: int = 0
+    last_ns: int = 0
+
+
+@dataclass(frozen=True)
+class ComputeSpan(Event):
+    """A rank ran compute op `name` from ts_ns to end_ns (this node's CLOCK_MONOTONIC ns): a row of a
+    per-op table or a record_function range of a Kineto trace, read offline (diagnose/opframes.py).
+    `n` numbers this rank's runs of `name` from 1 (the n-th run on one rank compares with the n-th on
+    the others); -1: not numbered. Not a GPU kernel: those are GpuKernel."""
+    KIND: ClassVar[str] = "compute"
+    pid: int
+    rank: int
+    ts_ns: int
+    end_ns: int
+    name: str
+    n: int = -1
+
+
 EVENT_TYPES: Dict[str, Type[Event]] = {
     cls.KIND: cls
     for cls in (AgentHello, ClockSample, RankInfo, RankExit, RankState, CommInit,
                 CollEnter, WorkStart, WorkEnd, P2P, P2PEnd, ProbeStatus, LossCounters,
                 LinkStats, SchedStats, QpInfo, NicCounters,
-                GpuKernel, GpuMemop, GpuLoss, ClockSync)
+                GpuKernel, GpuMemop, GpuLoss, ClockSync, NetProgress, ComputeSpan)
 }
 
 _FIELDS: Dict[str, Tuple[Dict[str, str], Dict[str, str]]] = {}

@@ -46,6 +46,9 @@ ONE_OF_EACH = [
                  rtt_min_ns=80_000, residual_ns=1_000, samples=30, epoch=7),
     ev.P2PEnd(pid=100, rank=3, ts_ns=19, comm="j/gloo:0", op="send", peer=0, seq=4, ok=False, error="x",
               wait_ns=18),
+    ev.NetProgress(pid=100, rank=3, ts_ns=31, comm="j/nccl:00000000deadbeef", peer=2, send=True, channel=1,
+                   nbytes=1 << 20, steps=8, net_wait_ns=400_000, gpu_wait_ns=20_000, in_flight=2, last_ns=30),
+    ev.ComputeSpan(pid=100, rank=3, ts_ns=32, end_ns=40, name="forward", n=7),
 ]
 
 

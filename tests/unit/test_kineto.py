@@ -3,6 +3,7 @@ job (tests/data/kineto/, made by its make_traces.py) read and judged by the unch
 inputs said and survived, and NCCL kernels joined to their collective on a hand-built GPU trace laid
 out as torch.profiler writes one (record_param_comms -> cudaLaunchKernel -> kernel, External id and
 correlation)."""
+import collections
 import gzip
 import json
 import os
@@ -11,13 +12,15 @@ import shutil
 import pytest
 
 from ccld import cli
-from ccld.diagnose.kineto import KinetoError, read_trace, read_traces
+from ccld.diagnose.kineto import KinetoError, format_set, read_trace, read_traces
 
 pytestmark = pytest.mark.unit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA = os.path.join(ROOT, "tests", "data", "kineto")
+PIPELINE = os.path.join(ROOT, "tests", "data", "kineto-pipeline")
 STEPS = 167   # make_traces.py's all_reduces per rank
+PIPE_STEPS = 131  # kineto-pipeline/make_traces.py's steps
 BASE_NS = 1_790_000_000_000_000_000
 
 
@@ -185,3 +188,106 @@ def test_traces_without_base_time_are_on_their_own_clocks(tmp_path, capsys):
     assert read_trace(str(tmp_path / "rank0.json")).clock == "own"
     assert cli.main(["diagnose", "--kineto", str(tmp_path)]) == 0
     assert "each rank's own clock" in capsys.readouterr().out
+
+
+# ---- a pipeline x data-parallel gloo job: p2p, three process groups, compute ranges ----------------
+
+def test_pipeline_traces_read_p2p_each_group_and_compute():
+    ks = read_traces([PIPELINE])
+    assert [t.rank for t in ks.traces] == [0, 1, 2, 3] and not ks.errors and not ks.notes
+    for t in ks.traces:
+        stage = t.rank // 2
+        assert t.mapped and t.groups.startswith("2 gloo process groups told apart by their worker threads")
+        got = collections.Counter((r.kind, r.op, r.group, r.peer) for r in t.rows)
+        p2p = ("p2p", "send", "world", t.rank + 2) if stage == 0 else ("p2p", "recv", "world", t.rank - 2)
+        assert got == {("compute", "forward", "world", None): PIPE_STEPS, p2p: PIPE_STEPS,
+                       ("collective", "allreduce", str(stage + 1), None): PIPE_STEPS,
+                       ("collective", "allreduce", "world", None): PIPE_STEPS}, got  # count-exact
+        assert (t.p2p, t.p2p_unread, t.compute) == (PIPE_STEPS, 0, PIPE_STEPS)
+        sizes = {r.group: r.nbytes for r in t.rows if r.kind == "collective"}
+        assert sizes == {str(stage + 1): 1024, "world": 4}  # the group's 256 floats, the loss's one
+    # a send and its recv are one transfer: rank 2's recv ends after rank 0's send began
+    send = next(r for r in ks.traces[0].rows if r.kind == "p2p")
+    recv = next(r for r in ks.traces[2].rows if r.kind == "p2p")
+    assert recv.start + recv.duration >= send.start
+
+
+def test_pipeline_diagnose_names_the_slow_stage_together(capsys):
+    assert cli.main(["diagnose", "--kineto", PIPELINE]) == 0
+    out = capsys.readouterr().out
+    for line in ("2 gloo process groups told apart by their worker threads (2 each, in creation order)",
+                 f"p2p ops: {4 * PIPE_STEPS} read (send/recv with their peer)",
+                 f"group 1: members 0,1, {PIPE_STEPS} collectives", f"group 2: members 2,3, {PIPE_STEPS} collectives",
+                 f"group world: members 0-3, {PIPE_STEPS} collectives (seq counted per rank and op), "
+                 f"{4 * PIPE_STEPS} p2p rows",
+                 f"compute: {4 * PIPE_STEPS} rows of 1 op (forward)"):
+        assert line in out, (line, out)
+    found = [ln for ln in out.splitlines() if ln.startswith(("SLOW", "HANG", "INFO"))]
+    assert found == ["SLOW comp-slow [2,3] ops:world forward: ranks 2, 3 slow together: ~30 ms longer than the others"]
+    assert cli.main(["diagnose", "--kineto", PIPELINE, "--json"]) == 0
+    (f,) = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert f["evidence"]["reason"] == "compute-duration" and f["evidence"]["together"] is True
+    for d in f["evidence"]["ranks"]:
+        assert d["median_s"] == pytest.approx(0.035, abs=0.004)
+        assert d["others_median_s"] == pytest.approx(0.010, abs=0.003)
+        assert d["longer_in"] >= 0.9 * d["of"]
+
+
+def _swap_worker_threads(doc):
+    """The default group's worker threads renumbered above the data-parallel group's: the thread order
+    no longer follows the groups' creation order."""
+    tids = sorted({e["tid"] for e in doc["traceEvents"] if e.get("name", "").startswith("gloo:all_reduce")})
+    swap = dict(zip(tids, tids[2:] + tids[:2]))
+    for e in doc["traceEvents"]:
+        if e.get("tid") in swap:
+            e["tid"] = swap[e["tid"]]
+
+
+def test_gloo_groups_that_cannot_be_told_apart_are_said(tmp_path, capsys):
+    for r in range(4):
+        doc = json.load(gzip.open(os.path.join(PIPELINE, f"rank{r}.json.gz"), "rt"))
+        if r == 1:
+            _swap_worker_threads(doc)  # its groups' collectives land in each other's group: caught across ranks
+        if r == 3:  # a third group in pg_config: four worker threads do not split in three
+            doc["distributedInfo"]["pg_config"].append({"pg_name": "3", "pg_desc": "undefined", "ranks": [3]})
+        (tmp_path / f"rank{r}.json").write_text(json.dumps(doc))
+    ks = read_traces([str(tmp_path)])
+    assert ks.traces[3].groups.startswith("3 gloo process groups but 4 worker threads with collectives: the groups "
+                                          "cannot be told apart") and not ks.traces[3].mapped
+    assert ks.notes == ["gloo group 1: members ran different collectives (counts, ops or sizes), so the worker "
+                        "threads were not told apart right; all taken as the default group"]
+    assert {r.group for r in ks.table.rows if r.kind == "collective"} == {"world"}
+    assert cli.main(["diagnose", "--kineto", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "cannot be told apart, all taken as the default group" in out and "gloo group 1: members ran" in out
+
+
+def nccl_p2p_trace(rank, steps=3):
+    """Two ranks of an NCCL job as torch.profiler writes their sends and recvs: record_param_comms with
+    "Collective name" send/recv and the peer's global rank ("Dst Rank"/"Src Rank"), or only "Rank"
+    (the peer's group rank) and "Process Group Ranks"."""
+    pid = tid = 5000 + rank
+    evs = []
+    for i in range(steps):
+        args = {"External id": 10 + i, "Collective name": "send" if rank == 0 else "recv", "dtype": "Float",
+                "In msg nelems": 64, "Out msg nelems": 64, "Group size": 2, "Process Group Name": "0",
+                "Process Group Description": "default_pg", "Process Group Ranks": "[0, 1]", "Rank": 1 - rank,
+                "Seq": i + 1}
+        if i != 1:
+            args["Dst Rank" if rank == 0 else "Src Rank"] = 1 - rank
+        evs.append({"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": pid, "tid": tid,
+                    "ts": 1000.0 + 5000.0 * i, "dur": 300.0, "args": args})
+    return {"schemaVersion": 1, "traceEvents": evs, "baseTimeNanoseconds": BASE_NS,
+            "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": 2}}
+
+
+def test_nccl_record_param_comms_sends_and_recvs_are_p2p_rows(tmp_path, capsys):
+    for r in range(2):
+        (tmp_path / f"rank{r}.json").write_text(json.dumps(nccl_p2p_trace(r)))
+    ks = read_traces([str(tmp_path)])
+    rows = {t.rank: [(r.kind, r.op, r.peer, r.group, r.seq, r.nbytes) for r in t.rows] for t in ks.traces}
+    assert rows == {0: [("p2p", "send", 1, "world", None, 256)] * 3, 1: [("p2p", "recv", 0, "world", None, 256)] * 3}
+    assert "  p2p ops: 6 read (send/recv with their peer)" in format_set(ks)
+    assert cli.main(["diagnose", "--kineto", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "group world: members 0,1, 6 p2p rows" in out and "no findings" in out

@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import random
+import sys
 
 import pytest
 
@@ -12,6 +13,7 @@ from ccld import cli
 from ccld.diagnose import opframes
 from ccld.diagnose.opframes import events, frames, make_job, table_store
 from ccld.diagnose.optable import OpsTableError, guess_kind, normalize_op, read_table
+from ccld.diagnose.findings import format_line
 from ccld.diagnose.replay import replay
 
 pytestmark = pytest.mark.unit
@@ -25,18 +27,19 @@ P2P_COLS = ["rank", "op", "start", "duration", "peer"]
 def synth(ranks=4, steps=200, late=None, late_s=0.03, skip_last=None, mismatch=None, jitter=0.0, spread=False,
           seq=False, wait_last=30.0, open_last=False, absent=(), seed=7):
     """One row per op: each step every rank computes ("forward", 60 ms) then all-reduces; a collective
-    ends for everyone 10 ms after the last rank entered. `late`: that rank computes `late_s` longer,
-    every step. `skip_last`: that rank never enters the last all-reduce, which the others wait in for
+    ends for everyone 10 ms after the last rank entered. `late`: that rank (or those ranks) computes
+    `late_s` longer, every step. `skip_last`: that rank never enters the last all-reduce, which the others wait in for
     `wait_last` s (or, with `open_last`, are still inside when the table ends). `mismatch`: (step, rank)
     calls broadcast there. `jitter`: random per-rank compute noise (s); `spread`: a random rank is
     50 ms slow each step. `absent`: ranks with no rows at all."""
     rnd = random.Random(seed)
+    late = {late} if isinstance(late, int) else set(late or ())
     rows, t = [], 0.0
     for step in range(1, steps + 1):
         slow = rnd.randrange(ranks) if spread else None
         arrive = {}
         for r in range(ranks):
-            c = 0.06 + abs(rnd.gauss(0, jitter)) + (late_s if r == late else 0.0) + (0.05 if r == slow else 0.0)
+            c = 0.06 + abs(rnd.gauss(0, jitter)) + (late_s if r in late else 0.0) + (0.05 if r == slow else 0.0)
             arrive[r] = t + c
             rows.append({"rank": r, "op": "forward", "start": round(t, 6), "duration": round(c, 6), "step": step})
         end = max(arrive.values()) + 0.01
@@ -120,23 +123,33 @@ def test_format_is_told_by_content_when_the_name_does_not_say(tmp_path):
     assert read_table(write_csv(tmp_path / "table2", rows)).fmt == "csv"
 
 
-def test_parquet_with_pyarrow_or_a_clear_error_without(tmp_path):
+def test_parquet_with_pyarrow_or_a_clear_error_without(tmp_path, monkeypatch):
     # Not a skip without pyarrow: `make test` requires the unit tier, where a skip fails the run, and
-    # pyarrow is no dependency of ccld; without it, what a user gets is the error, checked here.
+    # pyarrow is no dependency of ccld; without it, what a user gets is the error, checked here either
+    # way (with pyarrow installed, by hiding it).
     rows = synth(**SMALL)
     path = str(tmp_path / "ops.parquet")
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
+        pa = pq = None
+    if pq is None:
         with open(path, "wb") as f:
             f.write(b"PAR1" + b"\0" * 64 + b"PAR1")
+    else:
+        pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in COLS} for r in rows]), path)
+        t = read_table(path)
+        assert t.fmt == "parquet" and t.bad_rows == 0 and len(t.rows) == len(rows)
+        assert [(r.rank, r.op, r.kind, r.step) for r in t.rows] == \
+               [(r.rank, r.op, r.kind, r.step) for r in read_table(write_csv(tmp_path / "ops.csv", rows)).rows]
+    with monkeypatch.context() as m:  # as on a machine without pyarrow
+        m.setitem(sys.modules, "pyarrow", None)
+        m.setitem(sys.modules, "pyarrow.parquet", None)
         with pytest.raises(OpsTableError, match=r"ops.parquet: reading Parquet needs pyarrow.*pip install pyarrow"):
             read_table(path)
+    if pq is None:
         return
-    pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in COLS} for r in rows]), path)
-    t = read_table(path)
-    assert t.fmt == "parquet" and t.bad_rows == 0 and len(t.rows) == len(rows)
     with open(path, "rb") as f:
         data = f.read()
     with open(path, "wb") as f:
@@ -290,11 +303,76 @@ def test_size_mismatch_at_one_seq_is_inconsistent(tmp_path):
     assert judged(findings) == [("hang", "inconsistent", [1])] and findings[0].seq == 200
 
 
-@pytest.mark.parametrize("kw", [dict(jitter=0.01), dict(ranks=8, steps=300, jitter=0.02, spread=True)],
-                         ids=["jitter", "spread"])
-def test_healthy_table_has_no_culprit(tmp_path, kw):
-    _, findings, _, _ = diagnose(write_csv(tmp_path / "ops.csv", synth(**kw)))
+def test_healthy_table_has_no_culprit(tmp_path):
+    _, findings, _, _ = diagnose(write_csv(tmp_path / "ops.csv", synth(jitter=0.01)))
     assert findings == []
+    _, findings, _, _ = diagnose(write_csv(tmp_path / "compute.csv", compute_only(synth(jitter=0.01))))
+    assert findings == []
+
+
+def compute_only(rows):
+    return [r for r in rows if r["op"] == "forward"]
+
+
+def test_one_rank_computing_longer_is_comp_slow_by_its_durations(tmp_path):
+    """Compute rows alone (no collective to arrive late at) name the rank by its durations; with the
+    collectives too, the late-arrival finding names it and carries the durations beside."""
+    _, findings, _, _ = diagnose(write_csv(tmp_path / "compute.csv", compute_only(synth(late=2, jitter=0.002))))
+    assert judged(findings) == [("slow", "comp-slow", [2])]
+    f = findings[0]
+    (d,) = f.evidence["ranks"]
+    assert (f.op, f.evidence["reason"], d["op"]) == ("forward", "compute-duration", "forward")
+    assert d["median_s"] == pytest.approx(0.092, abs=0.004) and d["others_median_s"] == pytest.approx(0.062, abs=0.004)
+    assert d["median_extra_s"] == pytest.approx(0.03, abs=0.004) and d["longer_in"] >= 0.9 * d["of"]
+    assert "together" not in f.evidence
+    assert format_line(f).startswith("SLOW comp-slow [2] compute.csv forward: rank 2 forward ~30 ms longer than the")
+    _, findings, _, _ = diagnose(write_csv(tmp_path / "ops.csv", synth(late=2, jitter=0.002)))
+    assert judged(findings) == [("slow", "comp-slow", [2])]
+    ev = findings[0].evidence
+    assert ev["reason"] == "late-arrival" and ev["compute"]["reason"] == "compute-duration"
+    assert ev["summary"] == "rank 2 ~30 ms late at allreduce (forward ~30 ms longer)"
+
+
+def test_two_ranks_slow_together_are_one_finding_that_says_so(tmp_path):
+    """Ranks 2 and 3 (one pipeline stage) compute 30 ms longer every step: as many late as on time, so
+    the median sits between them; each all-reduce's late cluster names them, together."""
+    _, findings, _, _ = diagnose(write_csv(tmp_path / "ops.csv", synth(late=(2, 3), jitter=0.002)))
+    assert judged(findings) == [("slow", "comp-slow", [2, 3])]
+    ev = findings[0].evidence
+    assert (ev["reason"], ev["together"], ev["grouped"]) == ("late-arrival", True, True)
+    assert [d["median_lag_s"] for d in ev["ranks"]] == [pytest.approx(0.03, abs=0.004)] * 2
+    assert ev["summary"].startswith("ranks 2, 3 slow together: ~30 ms late at allreduce")
+    assert ev["compute"]["together"] is True
+    assert ev["compute"]["ranks"][1]["median_extra_s"] == pytest.approx(0.03, abs=0.004)
+    assert format_line(findings[0]) == \
+        "SLOW comp-slow [2,3] ops:world allreduce: ranks 2, 3 slow together: ~30 ms late at allreduce"
+    _, findings, _, _ = diagnose(write_csv(tmp_path / "compute.csv", compute_only(synth(late=(2, 3), jitter=0.002))))
+    assert judged(findings) == [("slow", "comp-slow", [2, 3])]
+    assert findings[0].evidence["summary"] == "ranks 2, 3 slow together: ~30 ms longer than the others"
+    # two of eight slowed by different amounts: each named, not "together"
+    rows = synth(ranks=8, late=(2, 5), jitter=0.002)
+    for r in rows:
+        if r["rank"] == 5 and r["op"] == "forward":
+            r["duration"] = round(r["duration"] + 0.03, 6)
+    _, findings, _, _ = diagnose(write_csv(tmp_path / "apart.csv", compute_only(rows)))
+    assert judged(findings) == [("slow", "comp-slow", [2, 5])] and "together" not in findings[0].evidence
+
+
+def test_random_stragglers_are_spread_not_a_culprit(tmp_path):
+    """A random rank of eight is 50 ms slow each step: the job waits, nobody is the culprit; diagnose
+    says so once (kind info, class spread), from the collectives or, without them, the compute rows."""
+    rows = synth(ranks=8, steps=300, jitter=0.02, spread=True)
+    _, findings, _, _ = diagnose(write_csv(tmp_path / "ops.csv", rows))
+    assert judged(findings) == [("info", "spread", [])]
+    f = findings[0]
+    ev = f.evidence
+    assert ev["informational"] and ev["ranks_last"] == 8 and ev["most_last_share"] < 0.5
+    assert ev["waited_fraction"] > 0.2 and f.op == "allreduce"
+    assert format_line(f) == \
+        "INFO spread ops:world allreduce: no culprit: 8 ranks take turns arriving last, ~50 ms behind"
+    _, findings, _, _ = diagnose(write_csv(tmp_path / "compute.csv", compute_only(rows)))
+    assert judged(findings) == [("info", "spread", [])] and findings[0].op == "forward"
+    assert findings[0].evidence["summary"] == "no culprit: 8 ranks take turns finishing forward last, ~50 ms behind"
 
 
 def test_p2p_stream_that_slows_is_comm_slow_on_its_link(tmp_path):
@@ -311,8 +389,9 @@ def test_p2p_stream_that_slows_is_comm_slow_on_its_link(tmp_path):
 
 
 def test_a_pipeline_stage_whose_compute_grows_is_comp_slow_by_its_own_work(tmp_path):
-    """Compute rows are not events, but a stage that computes longer makes the others wait longer in
-    their recvs and sends: busy.py names it from the time each rank spends outside communication."""
+    """A stage that computes longer makes the others wait longer in their recvs and sends: its compute
+    rows name it (compute.py); without them, busy.py names it from the time each rank spends outside
+    communication."""
     rows, t, free = [], 0.0, {}
     for i in range(1500):  # stage 2's forward goes from 20 to 50 ms at 90 s
         x = t
@@ -327,6 +406,11 @@ def test_a_pipeline_stage_whose_compute_grows_is_comp_slow_by_its_own_work(tmp_p
             x = free[r] = x + c
         t = max(t + 0.1, x)
     _, findings, _, _ = diagnose(write_csv(tmp_path / "ops.csv", rows, cols=P2P_COLS))
+    assert judged(findings) == [("slow", "comp-slow", [2])] and findings[0].evidence["reason"] == "compute-duration"
+    (d,) = findings[0].evidence["ranks"]
+    assert (d["op"], d["median_s"], d["others_median_s"]) == ("forward", pytest.approx(0.05), pytest.approx(0.02))
+    comm_only = [r for r in rows if r["op"] != "forward"]
+    _, findings, _, _ = diagnose(write_csv(tmp_path / "comm.csv", comm_only, cols=P2P_COLS))
     assert judged(findings) == [("slow", "comp-slow", [2])] and findings[0].evidence["reason"] == "own-work"
 
 
@@ -335,13 +419,16 @@ def test_a_pipeline_stage_whose_compute_grows_is_comp_slow_by_its_own_work(tmp_p
 def test_cli_report_and_export_take_the_table(tmp_path, capsys):
     path = write_csv(tmp_path / "ops.csv", synth(steps=60, late=2))
     assert cli.main(["export", "--ops", path, "--perfetto", str(tmp_path / "t.json")]) == 0
-    assert json.load(open(tmp_path / "t.json"))["traceEvents"]
+    evs = json.load(open(tmp_path / "t.json"))["traceEvents"]
+    compute = {(e["pid"], e["tid"]) for e in evs if e.get("name") == "thread_name" and e["args"]["name"] == "compute"}
+    spans = [e for e in evs if e.get("ph") == "X" and (e["pid"], e["tid"]) in compute]
+    assert len(compute) == 4 and len(spans) == 4 * 60 and {e["name"] for e in spans} == {"forward"}
     assert cli.main(["export", "--ops", path, "--failure-trace", str(tmp_path / "f.csv")]) == 0
     assert cli.main(["report", "--ops", path, "-o", str(tmp_path / "r.html")]) == 0
     page = open(tmp_path / "r.html").read()
     assert f"ccld export --ops {path} --perfetto" in page and "ccld-ops-" not in page
     out = capsys.readouterr().out
-    assert "1 finding" in out and "failure record" in out
+    assert "1 finding" in out and "failure record" in out and "(240 compute)" in out
     assert cli.main(["diagnose", str(tmp_path), "--ops", path]) == 1
     assert "not both" in capsys.readouterr().err
 

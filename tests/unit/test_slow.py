@@ -139,6 +139,37 @@ def test_two_rank_job_and_several_late_ranks_of_many():
     assert f.ranks == [5, 40] and [d["rank"] for d in f.evidence["ranks"]] == [5, 40]
 
 
+def test_ranks_late_together_are_one_finding_that_says_so():
+    # half the ranks 30 ms late every step: the median sits between them, so no rank is late by it; the
+    # collectives' late clusters name them, as one finding
+    job, tl, t, _ = run(seconds=20, late={2: 0.030, 3: 0.030}, noise=0.001, spikes=0)
+    (f,) = comp_slow(held(Diagnoser(tl), t))
+    assert f.ranks == [2, 3] and f.evidence["together"] is True and f.evidence["grouped"] is True
+    assert f.evidence["summary"] == "ranks 2, 3 slow together: ~30 ms late at allreduce"
+    assert [d["median_lag_s"] for d in f.evidence["ranks"]] == [pytest.approx(0.030, abs=0.004)] * 2
+    # one late rank of eight reads as it always did: no "together"
+    job, tl, t, _ = run(seconds=20, world=8, late={5: 0.040}, noise=0.001, spikes=0)
+    (f,) = comp_slow(held(Diagnoser(tl), t))
+    assert f.ranks == [5] and "together" not in f.evidence
+
+
+def test_random_lateness_that_costs_time_is_spread_not_a_culprit():
+    # every collective, a random rank is 30 ms late: the others wait a third of the time, for anyone
+    job, tl, t, _ = run(seconds=20, noise=0.001, spikes=1.0)
+    found = held(Diagnoser(tl), t)
+    assert [(f.kind, f.cls, f.ranks) for f in found] == [("info", "spread", [])]
+    f = found[0]
+    assert f.evidence["informational"] and f.evidence["ranks_last"] == 4 and f.evidence["most_last_share"] < 0.5
+    assert format_line(f) == "INFO spread gloo:0 allreduce: no culprit: 4 ranks take turns arriving last, ~30 ms behind"
+    # its lifecycle: held like a slowdown, and silently superseded once a culprit is named
+    tr = FindingTracker()
+    assert [g.cls for g in tr.step(found, t).new] == ["spread"]
+    culprit = Finding(kind="slow", cls="comp-slow", ranks=[1], comm=f.comm, seq=-1, op="allreduce", onset_at=t,
+                      detected_at=t + 1, job=f.job)
+    changes = tr.step([culprit], t + 1)
+    assert [g.cls for g in changes.new] == ["comp-slow"] and changes.recovered == []
+
+
 def test_lateness_in_a_pair_subgroup_points_at_nobody():
     # A 4-rank job with a two-rank subgroup {0, 1} (a dp group of a 3-D job) where rank 1 arrives
     # 30 ms after rank 0 every time: in a pair that says only that 0 came first (its pipeline ran

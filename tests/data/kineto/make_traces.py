@@ -34,16 +34,22 @@ def run(rank: int, port: int, out: str) -> None:
             time.sleep(WORK_S + (SLOW_S if rank == SLOW_RANK else 0.0))
             dist.all_reduce(x)
     dist.barrier()
+    save(prof, out, rank)
+    dist.destroy_process_group()
+
+
+def save(prof, out: str, rank: int) -> None:
+    """The profile as out/rank<R>.json.gz (export_chrome_trace, then gzip)."""
     path = os.path.join(out, f"rank{rank}.json")
     prof.export_chrome_trace(path)
     with open(path, "rb") as src, gzip.open(path + ".gz", "wb", compresslevel=9) as dst:
         shutil.copyfileobj(src, dst)
     os.remove(path)
-    dist.destroy_process_group()
 
 
-def main() -> None:
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
+def main(run=run, here: str = os.path.dirname(os.path.abspath(__file__))) -> None:
+    """`run(rank, port, out)` on WORLD processes; out: the first argument, else the script's folder."""
+    out = sys.argv[1] if len(sys.argv) > 1 else here
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
