@@ -11,7 +11,7 @@ REQUIRE := $(shell [ "$$(id -u)" = 0 ] && echo unit,bpf,e2e || echo unit)
 
 setup: $(VENV)/.ccld-ready
 
-$(VENV)/.ccld-ready: pyproject.toml setup.py scripts/setup.sh ccld/export/_hotpath.c
+$(VENV)/.ccld-ready: pyproject.toml setup.py scripts/setup.sh ccld/export/_hotpath.c ccld/ncclprof/ccld_profiler.c ccld/ncclprof/ccld_profiler.h
 	bash scripts/setup.sh
 	touch $@
 

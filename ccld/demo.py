@@ -66,7 +66,7 @@ def run(fault: str, ranks: int, seed: Optional[int], keep: Optional[str], say: C
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     session.agent.root_pid = proc.pid
     session.agent.start()
-    say(f"demo: job started (torchrun pid {proc.pid}); ccld sources: {', '.join(session.agent.sources)}")
+    say(f"demo: job started (torchrun pid {proc.pid}); ccld sources: {', '.join(session.agent.all_sources)}")
     found = None
     stopper = _Stopper(session, bad_rank) if fault == "stop" else None
     try:

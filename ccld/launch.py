@@ -38,7 +38,7 @@ class Session:
 
 def open_session(collector_addr: Optional[str], store: Optional[str], findings: Optional[str],
                  hang_after: float, use_bpf: bool, say: Callable[[str], None], preloaded=None,
-                 cupti_sink=None) -> Session:
+                 cupti_sink=None, ncclprof_sink=None) -> Session:
     """A collector (unless one is named) and an agent for it; the agent adopts probe families already
     loaded (load_families) and a CUPTI sink already made, when given."""
     from ccld.tracer.agent import Agent
@@ -55,7 +55,7 @@ def open_session(collector_addr: Optional[str], store: Optional[str], findings: 
     svc = collector.time_service if collector is not None else None  # on a random port: tell the agent
     agent = Agent(endpoint, root_pid=-1, use_bpf=use_bpf, say=say,
                   time_service=svc.endpoint if svc is not None else None, preloaded=preloaded,
-                  cupti_sink=cupti_sink)
+                  cupti_sink=cupti_sink, ncclprof_sink=ncclprof_sink)
     agent.load()
     return Session(collector, agent, endpoint)
 
@@ -66,13 +66,24 @@ class _EarlySink:
     agent when it comes (nothing reads the sink before that; the shim's records wait in it)."""
 
     def __init__(self, relay):
-        self.relay, self.sink = relay, None
+        self.relay, self.sink, self.ncclprof = relay, None, None
 
     def open_cupti_sink(self) -> str:
         from ccld.tracer.cupti_sink import CuptiSink
         if self.sink is None:
             self.sink = CuptiSink(self.relay)
         return self.sink.endpoint
+
+    def open_ncclprof_sink(self) -> str:
+        from ccld.tracer.ncclprof_sink import NcclProfSink
+        if self.ncclprof is None:
+            self.ncclprof = NcclProfSink(self.relay)
+        return self.ncclprof.path
+
+    def close(self) -> None:
+        for s in (self.sink, self.ncclprof):
+            if s is not None:
+                s.close()
 
 
 def close_session(s: Session) -> None:
@@ -152,6 +163,8 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
     try:
         from ccld.cupti.inject import job_env
         env = job_env(early, say)  # says once whether CUPTI is on; None: the job's env unchanged
+        from ccld.tracer import ncclprof_sink
+        env = ncclprof_sink.job_env(early, say, env) or env  # the NCCL profiler plugin, where NCCL can be
         try:
             proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         except OSError as e:
@@ -163,8 +176,7 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
             fam.close()
         for prog in programs.values():
             prog.cleanup()
-        if early.sink is not None:
-            early.sink.close()
+        early.close()
         if tmp_store:
             shutil.rmtree(tmp_store, ignore_errors=True)
         raise
@@ -176,7 +188,7 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
             for _, tr in pre.families:
                 tr.emit = relay
         session = open_session(collector_addr, store, findings, hang_after, use_bpf, say, preloaded=pre,
-                               cupti_sink=early.sink)
+                               cupti_sink=early.sink, ncclprof_sink=early.ncclprof)
         session.agent.root_pid = proc.pid
         session.agent.start()
     except BaseException:
@@ -207,7 +219,7 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
     try:
         shown = shlex.join([os.path.basename(cmd[0])] + cmd[1:])
         shown = shown if len(shown) <= 48 else shown[:47] + "…"
-        say(f"ccld: tracing `{shown}` (pid {proc.pid}); sources: {', '.join(session.agent.sources)}. "
+        say(f"ccld: tracing `{shown}` (pid {proc.pid}); sources: {', '.join(session.agent.all_sources)}. "
             "Ctrl-C to end")
         while proc.poll() is None and not interrupted:
             time.sleep(0.1)

@@ -51,4 +51,8 @@ fi
 .venv/bin/python -c 'import bcc' 2>/dev/null && say "bcc importable in .venv" || say "bcc NOT importable (eBPF sources will be off)"
 .venv/bin/python -c 'from ccld.export import accel; assert accel.hot' 2>/dev/null && say "export accelerator built" \
   || say "export accelerator NOT built (no C compiler or Python headers?): ccld export runs in Python"
+# ccld's NCCL profiler plugin (ccld/ncclprof/): built where there is a C compiler; without it `ccld run`
+# leaves NCCL's profiler alone
+if out=$(.venv/bin/python -m ccld.ncclprof.build ccld/ncclprof 2>&1); then say "NCCL profiler plugin built: $out"
+else say "NCCL profiler plugin NOT built ($out)"; fi
 say "done: .venv/bin/ccld is ready"

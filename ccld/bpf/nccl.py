@@ -180,7 +180,9 @@ class NcclTranslator:
         self.procs: Dict[int, ProcState] = {}
         # What could not be named or was not worth an event; shipped by the agent as loss/health counters.
         self.counters: Dict[str, int] = {"unknown_handles": 0, "unknown_parents": 0, "init_failed": 0,
-                                         "groups": 0, "destroyed": 0, "aborted": 0, "unknown_fn": 0}
+                                         "groups": 0, "destroyed": 0, "aborted": 0, "unknown_fn": 0,
+                                         "left_to_plugin": 0}
+        self._plugin_since: Dict[int, int] = {}  # pid -> ns from which ccld's NCCL profiler plugin reports it
         self._index()
 
     def add_process(self, pid: int, rank: int, job: str) -> None:
@@ -189,7 +191,14 @@ class NcclTranslator:
 
     def forget(self, pid: int) -> None:
         self.procs.pop(pid, None)
+        self._plugin_since.pop(pid, None)
         self._index()
+
+    def defer_to_plugin(self, pid: int, since_ns: int) -> None:
+        """ccld's NCCL profiler plugin reports this process's NCCL from since_ns (its clock) on, with
+        NCCL's own communicator hashes and sequence numbers: this process's records from then on are
+        dropped (counted), so each collective has one source."""
+        self._plugin_since[pid] = min(since_ns, self._plugin_since.get(pid, since_ns))
 
     def _index(self) -> None:
         pids = sorted(self.procs)
@@ -204,6 +213,16 @@ class NcclTranslator:
         known = np.isin(tgid, self._pids)
         if not known.all():  # processes we were told to forget; their probes are being detached
             rows, kinds = rows[known], kinds[known]
+        if self._plugin_since:
+            ts = records.view(rows[:, :records.HEADER_SIZE].copy(), records.HDR_DTYPE)["ts_ns"].astype(np.int64)
+            tgid = tgid[known]
+            dp = np.array(sorted(self._plugin_since), np.int64)  # a few pids: per process, not per record
+            ds = np.array([self._plugin_since[p] for p in dp.tolist()], np.int64)
+            i = np.clip(np.searchsorted(dp, tgid), 0, len(dp) - 1)
+            left = (dp[i] == tgid) & (ts >= ds[i])
+            if left.any():
+                self.counters["left_to_plugin"] += int(np.count_nonzero(left))
+                rows, kinds = rows[~left], kinds[~left]
         groups = kinds == GROUP
         if groups.any():
             self.counters["groups"] += int(np.count_nonzero(groups))

@@ -6,16 +6,21 @@ and combining what they say:
                      or recv whose peer never posts its side, or that is stuck), each blaming the
                      heads of the chains of waits (waits.py), one finding per job and culprits;
                      inconsistent.py's findings in front of the hangs they explain, and
-                     links.find_link_faults replacing a hang it pins on a link;
+                     links.find_link_faults replacing a hang it pins on a link (TCP), and
+                     nccllinks.py one it pins on an NCCL link (the profiler plugin's progress);
   find_inconsistent  inconsistent.py (different ops/sizes at one (comm, seq), diverged sequences);
-  find_slow          slow.py (comp-slow: late arrivals), busy.py (comp-slow: a rank whose own work
+  find_slow          slow.py (comp-slow: late arrivals, ranks slow together named as one), compute.py
+                     (comp-slow: compute durations longer than the peers', put beside a late-arrival
+                     finding of the same ranks), busy.py (comp-slow: a rank whose own work
                      grew while the others wait longer, e.g. a pipeline stage), links.find_comm_slow
                      and p2pslow.py (comm-slow: collectives, or one stream's p2p transfers); a
                      comm-slow whose cause is one rank's CPU (its runqueue wait stands out) is a
                      comp-slow of that rank; comp- and comm-slow on one communicator are one
                      `mixed-slow` finding naming both, unless the late rank is CPU-contended and the
                      slow link is its own (one cause); plus hang.py's informational pauses (a rank
-                     busy outside collectives while the others wait);
+                     busy outside collectives while the others wait), and one `spread` verdict (kind
+                     "info", from slow.py or compute.py) per job that has no culprit: the waiting
+                     moves from rank to rank;
   add_stacks         stack.py (py-spy), live only, outside the caller's lock.
 Printing is `findings.format_line`'s job; the lifecycle over time (open, update, resolve) is
 `tracker.FindingTracker`'s; offline analysis of a store is `replay.replay`.
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from ccld.diagnose import busy, hang, inconsistent, links, p2phang, p2pslow, slow, waits
+from ccld.diagnose import busy, compute, hang, inconsistent, links, p2phang, p2pslow, nccllinks, slow, waits
 from ccld.diagnose.findings import Finding
 
 COMM_SLOW_HOLD_S = 5.0  # a comm-slow finding must hold this long (see Diagnoser._held); slowdowns have 60 s
@@ -71,6 +76,7 @@ class Diagnoser:
         self.stacks = stacks  # a stack.StackTaker (live collector), or None (replay, tests)
         self._inconsistent = inconsistent.InconsistencyChecker()
         self._late = slow.LatenessDetector()
+        self._compute = compute.ComputeDetector()
         self._busy = busy.BusyDetector()
         self._p2p_slow = p2pslow.P2PSlowDetector()
         self._comm_slow_since: Dict[Tuple, float] = {}  # comm-slow findings being held: since when
@@ -98,6 +104,8 @@ class Diagnoser:
                  if h.kind == "hang" and not any(inconsistent.explains(i, h) or self._stuck_in(i, h) for i in incs)]
         refined = links.find_link_faults(self.timeline, now, hangs)
         replaced = {(f.comm, f.seq) for f in refined}
+        refined += nccllinks.find_proxy_faults(self.timeline, now, [h for h in hangs if (h.comm, h.seq) not in replaced])
+        replaced = {(f.comm, f.seq) for f in refined}
         return incs + [h for h in hangs if (h.comm, h.seq) not in replaced] + refined
 
     def _held(self, found: List[Finding], now: float) -> List[Finding]:
@@ -124,9 +132,17 @@ class Diagnoser:
         return True
 
     def find_slow(self, now: float) -> List[Finding]:
-        """Slowdowns that hold at `now`: comp-slow, comm-slow, mixed-slow, and informational pauses."""
+        """Slowdowns that hold at `now`: comp-slow, comm-slow, mixed-slow, informational pauses, and the
+        spread verdicts of jobs with no culprit."""
         pauses = [f for f in self._hang_pass(now) if f.kind == "slow"]
         late = self._late.find(self.timeline, now)
+        spread = [f for f in late if f.kind == "info"]
+        late = [f for f in late if f.kind != "info"]
+        for f in self._compute.find(self.timeline, now):
+            if f.kind == "info":
+                spread.append(f)
+            else:
+                late = compute.beside(f, late)
         coll_slow = links.find_comm_slow(self.timeline, now)
         said = {(f.job, tuple(f.ranks), tuple(f.link or ())) for f in coll_slow}
         coll_slow += [f for f in self._p2p_slow.find(self.timeline, now)
@@ -139,7 +155,13 @@ class Diagnoser:
                 _with_comm_slow(by_comm[f.comm], f.evidence["comm_slow"], f.evidence["link"])
             else:
                 late.append(f)
-        return pauses + mix(late, comm)
+        found = mix(late, comm)
+        named = {f.job for f in found if f.ranks}
+        for f in spread:  # one per job, and none where a culprit is named: the lateness's first
+            if f.job not in named:
+                named.add(f.job)
+                found.append(f)
+        return pauses + found
 
     def diagnose(self, now: float) -> List[Finding]:
         """Everything that holds at `now` (what the collector's tick and replay ask)."""

@@ -26,7 +26,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import AbstractSet, Deque, Dict, List, NamedTuple, Optional, Tuple
 
-from ccld.diagnose import waits
+from ccld.diagnose import nccllinks, waits
 from ccld.diagnose.findings import Finding
 from ccld.timeline.links import PairBaseline, PairSummary
 from ccld.timeline.timeline import CollView, Comm, Timeline
@@ -545,6 +545,12 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
             suspects, named, localised_by, win = localise(tl, comm.job, members, since, now, reference=members,
                                                           baseline_before=st.episode, exclude=tuple(st.past),
                                                           baselines=baselines)
+            proxy: Dict[Pair, Dict[str, object]] = {}
+            if named is None:  # no TCP link stands out (or there is none: NCCL over IB): NCCL's own progress
+                psus, proxy = nccllinks.proxy_suspects(tl, comm.id, since, now, st.episode or since)
+                pnamed = _name(psus) if psus else None
+                if pnamed is not None:
+                    suspects, named, localised_by = psus, pnamed, "nccl-proxy"
             # Without a culprit, only a large slowdown that fills the whole window (the tail test)
             # counts: the last few collectives after a link recovers are slow too, and a loaded host
             # makes every collective 2-4x slower now and then, which names nothing and helps no one.
@@ -556,7 +562,12 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         first = min(recent, key=lambda v: v.seq)
         active = [s.srtt_mean_us for s in win.values() if s.tx_bytes > 0 and s.srtt_mean_us > 0]
         summary = f"{level / base:.0f}x slower ({level * 1e3:.1f} vs {base * 1e3:.1f} ms)" if base > 0 else "slower"
-        if named is not None:
+        if localised_by == "nccl-proxy":
+            top = tuple(link) if link is not None else suspects[0]
+            pe = proxy[top]
+            summary += (f", NCCL's sends {top[0]}->{top[1]} wait {pe['wait_per_step_us']} us a step on the network "
+                        f"vs {pe['baseline_wait_per_step_us']} us before")
+        elif named is not None:
             top = (tuple(link) if link is not None and tuple(link) in win
                    else max(suspects, key=lambda p: (win[p].retrans, win[p].srtt_mean_us)))
             t, b = win[top], baselines.get(top)
@@ -577,12 +588,14 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
             "links_slow_since": round(st.episode, 6) if st.episode is not None else None,
             "links_baseline_before": round(st.episode - BASELINE_GUARD_S, 6) if st.episode is not None else None,
             "localised_by": localised_by,
-            "pairs": [_judged_evidence(p, win[p], baselines.get(p)) for p in suspects],
+            "pairs": [_judged_evidence(p, win[p], baselines.get(p)) for p in suspects if p in win],
             "job_median_rtt_us": round(statistics.median(active), 1) if active else None,
             "note": None if named else ("no link stands out: no link metrics for this job, or every pair "
                                         "departed from its own baseline alike" if not suspects
                                         else "several links out of line with no rank in common"),
         }
+        if proxy:
+            evidence["nccl_links"] = {f"{a}->{b}": v for (a, b), v in sorted(proxy.items())}
         # seq -1: a slowdown spans many collectives; the finding's identity must not move with the window.
         out.append(Finding(kind="slow", cls="comm-slow", ranks=ranks, link=link, comm=comm.id, seq=-1, op=op,
                            onset_at=_span(st, first)[2], detected_at=now, evidence=evidence, job=comm.job))

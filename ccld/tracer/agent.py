@@ -28,6 +28,7 @@ from ccld.tracer import discover, ibcounters, procstate
 from ccld.tracer.nodeclock import NodeClock
 from ccld.tracer.relay import Relay
 from ccld.tracer.shipper import Shipper
+from ccld.tracer.sinks import RankSinks
 from ccld.tracer.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_BYTES, Spool
 
 log = logging.getLogger("ccld.agent")
@@ -146,7 +147,7 @@ class Agent:
                  node: Optional[str] = None, keys=None, probes: Sequence[str] = FAMILY_NAMES,
                  time_service: Optional[str] = None, clock: Optional[NodeClock] = None,
                  spool_dir: Optional[str] = None, spool_max_bytes: int = DEFAULT_SPOOL_BYTES,
-                 preloaded: Optional[Preloaded] = None, cupti_sink=None):
+                 preloaded: Optional[Preloaded] = None, cupti_sink=None, ncclprof_sink=None):
         if not pids and root_pid is None and not discover_all:
             raise CcldError("the agent needs something to trace: --pid PID, --discover, or a command (ccld run)")
         self.endpoint = endpoint
@@ -179,13 +180,16 @@ class Agent:
         self.shipper = Shipper(endpoint, self.agent_id, self.node, extra_loss=self._loss, keys=keys,
                                clock=self.clock, sync=self.timesync, spool=self.spool,
                                acks=self.timesync.endpoint if self.timesync is not None else None, say=say)
-        self.cupti_sink = None  # CuptiSink: the CUPTI shim's records, when ccld run injects it (open_cupti_sink)
+        # what code inside the ranks sends: the CUPTI shim, the NCCL profiler plugin (when ccld run injects them)
+        self.sinks = RankSinks(self.shipper.put, self._ident_of, self._plugin_took_nccl)
         self.nic = ibcounters.CounterReader()  # RDMA NIC port counters, sampled when the node has any
         self._preloaded = preloaded
         if preloaded is not None:
             self._adopt(preloaded)
         if cupti_sink is not None:  # made before the agent (ccld run): its records come here now
-            self._adopt_sink(cupti_sink)
+            self.sinks.adopt_cupti(cupti_sink)
+        if ncclprof_sink is not None:
+            self.sinks.adopt_ncclprof(ncclprof_sink)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -221,27 +225,32 @@ class Agent:
         self._thread.start()
         return self
 
+    @property
+    def all_sources(self) -> List[str]:
+        """Every source of events: the probe families, /proc, and the sinks of code inside the ranks."""
+        return list(self.sources) + self.sinks.sources
+
     def open_cupti_sink(self) -> str:
         """Receive GPU records from the CUPTI shim in this agent's ranks; returns the endpoint the shim
         pushes to (ccld/cupti/inject.py puts it in the job's environment). Polled by the loop."""
-        from ccld.tracer.cupti_sink import CuptiSink
-        if self.cupti_sink is None:
-            self._adopt_sink(CuptiSink(self.shipper.put))
-        return self.cupti_sink.endpoint
+        return self.sinks.open_cupti()
 
-    def _adopt_sink(self, sink) -> None:
-        def rank_of(pid: int) -> Optional[int]:
-            r = self.ranks.get(pid)
-            return r.ident.rank if r is not None else None
-        sink.emit, sink.rank_of = self.shipper.put, rank_of
-        self.cupti_sink = sink
-        self.sources.append("cupti (shim)")
+    def open_ncclprof_sink(self) -> str:
+        """Receive the NCCL profiler plugin's datagrams from this agent's ranks; returns the socket path
+        (ccld/tracer/ncclprof_sink.job_env puts it in the job's environment). Polled by the loop."""
+        return self.sinks.open_ncclprof()
 
-    def _poll_cupti(self, most: int = 256) -> None:
-        try:
-            self.cupti_sink.poll(most)
-        except Exception:  # a bug in the sink must not end tracing
-            log.exception("CUPTI sink poll failed")
+    def _ident_of(self, pid: int) -> Optional[Tuple[int, str]]:
+        """(global rank, job) of a process of this node: known to discovery, or read from /proc now."""
+        r = self.ranks.get(pid)
+        ident = r.ident if r is not None else discover.identify(pid)
+        return None if ident is None else (ident.rank, ident.job)
+
+    def _plugin_took_nccl(self, pid: int, since_ns: int) -> None:
+        """The NCCL profiler plugin reports this rank's NCCL from since_ns on: its uprobes' records stop."""
+        for fam, tr in self.families:
+            if getattr(fam, "NAME", "") == "nccl" and hasattr(tr, "defer_to_plugin"):
+                tr.defer_to_plugin(pid, since_ns)
 
     def stop(self) -> None:
         """Detach, flush and close. Safe to call twice."""
@@ -256,9 +265,7 @@ class Agent:
                 fam.poll(0)
             except Exception:
                 pass
-        if self.cupti_sink is not None:  # before the ranks are forgotten: their pids still map to ranks
-            self._poll_cupti(1 << 30)
-            self.cupti_sink.close()
+        self.sinks.close()  # before the ranks are forgotten: their pids still map to ranks
         for pid in list(self.ranks):  # a last look: ranks that died since the last scan are exits, not
             # ranks we stopped watching (`ccld run` stops us right after the job ends, and a rank killed
             # there, then its peers stopped by the launcher, may all be gone within one scan)
@@ -293,9 +300,8 @@ class Agent:
                     self._sample_nic()
                 except Exception:  # a bug in the counter reader must not end tracing
                     log.exception("NIC counter sample failed")
-            if self.cupti_sink is not None:
-                self._poll_cupti()
             self._stop.wait(poll_ms / 1000)
+            self.sinks.poll()  # before the families drain: see sinks.py (one source per NCCL collective)
             now_ns = time.monotonic_ns()
             came = False
             for fam, _ in self.families:  # each drains what came (or, kernel families, when their interval is up)
@@ -416,13 +422,12 @@ class Agent:
 
     def _announce(self) -> None:
         self.shipper.put(ev.AgentHello(agent=self.agent_id, node=self.node, pid=os.getpid(),
-                                       version=__version__, sources=list(self.sources),
+                                       version=__version__, sources=self.all_sources,
                                        ts_ns=time.monotonic_ns()))
         for r in list(self.ranks.values()):
             self.shipper.put(self._rank_info(r))
-        if self.cupti_sink is not None:
-            for e in self.cupti_sink.announce():
-                self.shipper.put(e)
+        for e in self.sinks.announce():
+            self.shipper.put(e)
 
     def _sample_nic(self) -> None:
         if not self.nic.present():
@@ -436,8 +441,7 @@ class Agent:
         out: Dict[str, int] = {}
         for reason, n in list(self.nic.errors.items()):
             out[f"nic_counter_{reason}"] = n
-        if self.cupti_sink is not None:
-            out.update(self.cupti_sink.loss())
+        out.update(self.sinks.loss())
         for fam, tr in self.families:
             try:
                 out[f"{fam.NAME}_ringbuf_lost"] = fam.lost()

@@ -174,3 +174,15 @@ def test_unknown_dtype_and_fn(tr):
     (c,) = of(tr, ev.CollEnter)
     assert (c.dtype, c.nbytes) == ("nccl_dtype42", -1)
     assert tr.counters["unknown_fn"] == 1
+
+
+def test_a_process_the_profiler_plugin_reports_is_left_to_it_from_then_on(tr):
+    # Rank 0's plugin reports from ts 10 on: its records from then are dropped (counted); its earlier
+    # ones and rank 1's are translated as before.
+    tr.defer_to_plugin(100, 10)
+    feed(tr, init(100, 0xA000, ts=1), init(200, 0xB000, rank=1, ts=1),
+         coll(100, 0xA000, ts=9), coll(100, 0xA000, ts=10), coll(200, 0xB000, ts=11), coll(100, 0xA000, ts=12))
+    assert [(e.pid, e.seq) for e in of(tr, ev.CollEnter)] == [(100, 0), (200, 0)]
+    assert tr.counters["left_to_plugin"] == 2
+    tr.forget(100)
+    assert tr._plugin_since == {}
