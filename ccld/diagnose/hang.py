@@ -44,7 +44,9 @@ from ccld.diagnose.findings import STATE_NAMES, Finding, short_comm
 
 FLOOR_S = 5.0   # never call a hang before this while a communicator's normal is unknown: agents ship every 100 ms
 LEARNED_FLOOR_S = 3.0  # ... and once LEARN_S of its collectives completed (and k x their worst spread is lower):
-LEARN_S = 60.0         # a minute of a job's own waits says how long they get; 3 s is 30 shipping intervals
+LEARN_S = 15.0         # ... and at least LEARN_MIN_OPS of them: the job's own waits say how long they get; 3 s is
+LEARN_MIN_OPS = 100    # 12 of the agent's 250 ms drains. (60 s before issue 18: a DDP hang 20 s into a job
+                       # was named after the 5 s floor; K x the worst spread seen keeps slow-arriving jobs safe)
 K = 4.0         # x the job's own worst recent spread/duration
 EVIDENCE_RANKS = 16   # ranks described in full in one finding; `ranks` itself always lists every culprit
 AGENT_SILENT_S = 3.0  # agents send a frame every 100 ms; 3 s without one means we are blind there
@@ -472,12 +474,16 @@ def _failed(tl: Timeline, comm: Comm, view: CollView, expected: Set[int], now: f
                    onset_at=first, detected_at=now, evidence=evidence, job=comm.job)
 
 
-def floor_for(floor_s: Optional[float], first_done_at: Optional[float], now: float) -> float:
+def floor_for(floor_s: Optional[float], first_done_at: Optional[float], now: float,
+              completed: Optional[int] = None) -> float:
     """The shortest wait called a hang: `floor_s` when fixed; else FLOOR_S, lowered to
-    LEARNED_FLOOR_S once the operations have LEARN_S of history (first completed at `first_done_at`)."""
+    LEARNED_FLOOR_S once the operations have LEARN_S of history (first completed at `first_done_at`)
+    and, where the caller counts them, LEARN_MIN_OPS of them completed."""
     if floor_s is not None:
         return floor_s
-    return LEARNED_FLOOR_S if first_done_at is not None and now - first_done_at >= LEARN_S else FLOOR_S
+    learned = (first_done_at is not None and now - first_done_at >= LEARN_S
+               and (completed is None or completed >= LEARN_MIN_OPS))
+    return LEARNED_FLOOR_S if learned else FLOOR_S
 
 
 def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = None, k: float = K,
@@ -515,7 +521,7 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
                 return None
     if missing:
         onset = min(view.enter[r] for r in entered) if entered else view.first_enter()
-        threshold = max(floor_for(floor_s, comm.first_done_at, now), k * spread_peak)
+        threshold = max(floor_for(floor_s, comm.first_done_at, now, comm.completed), k * spread_peak)
         if activity is not None and now - onset > NOTE_AFTER_S and len(missing) <= NOTE_MAX_RANKS:
             for r in missing:  # from early in the wait, so "working" is judged over all of it
                 rec = tl.rank_record(comm.job, r)
@@ -572,7 +578,7 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
     if not not_ended:
         return None  # completed: everyone is between collectives
     onset = max(view.enter[r] for r in expected)
-    threshold = max(floor_for(floor_s, comm.first_done_at, now), k * dur_peak)
+    threshold = max(floor_for(floor_s, comm.first_done_at, now, comm.completed), k * dur_peak)
     if now - onset <= threshold:
         return None
     dead = _dead(tl, comm, expected)

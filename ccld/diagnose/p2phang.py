@@ -2,7 +2,7 @@
 
 For each rank whose blocking operation (waits.blocked) is a p2p op and has lasted longer than
 max(floor, k x the longest wait of a p2p op completed on that communicator in the last hour), the
-floor as hang.floor_for says (FLOOR_S, lowered once the stream has a minute of history):
+floor as hang.floor_for says (FLOOR_S, lowered once the stream has LEARN_S of history):
   - the peer has not posted its side -> `not-entered`, naming the heads of the chain the peer starts
     (the peer itself when it is not waiting on anyone; the stage at the front of a pipeline whose
     stages wait on each other), `fault` when those are stopped or dead, and an informational pause
