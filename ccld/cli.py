@@ -79,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
                         "memory: keep them in memory only, up to 32 MiB)")
     a.add_argument("--spool-max-mb", type=float, default=256, metavar="N",
                    help="the spool's bound; beyond it the oldest frames are dropped and counted (default 256)")
+    a.add_argument("--nccl-plugin-socket", metavar="PATH",
+                   help="receive ccld's NCCL profiler plugin from jobs started elsewhere at this Unix socket "
+                        "(the job sets NCCL_PROFILER_PLUGIN=<libnccl-profiler-ccld.so> and "
+                        "CCLD_NCCLPROF_ENDPOINT=PATH; docs/nccl-profiler.md)")
     a.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)  # print programs + cflags, exit
 
     r = sub.add_parser("run", help="run a command and trace every rank it starts")

@@ -85,9 +85,11 @@ def cmd_agent(args) -> int:
                   keys=_client_keys(args), probes=probes, node=node, time_service=args.time_service,
                   spool_dir=spool, spool_max_bytes=int(args.spool_max_mb * 2**20))
     agent.load()
+    if args.nccl_plugin_socket:
+        agent.open_ncclprof_sink(args.nccl_plugin_socket)
     agent.start()
     what = f"pid {', '.join(map(str, args.pid))}" if args.pid else "every rank on this node"
-    _say(f"ccld agent: tracing {what}; sources: {', '.join(agent.sources)}; collector {args.collector}; "
+    _say(f"ccld agent: tracing {what}; sources: {', '.join(agent.all_sources)}; collector {args.collector}; "
          f"{agent.spool.describe()}. Ctrl-C to end")
     try:
         _wait_for_signal()

@@ -235,10 +235,11 @@ class Agent:
         pushes to (ccld/cupti/inject.py puts it in the job's environment). Polled by the loop."""
         return self.sinks.open_cupti()
 
-    def open_ncclprof_sink(self) -> str:
+    def open_ncclprof_sink(self, path: Optional[str] = None) -> str:
         """Receive the NCCL profiler plugin's datagrams from this agent's ranks; returns the socket path
-        (ccld/tracer/ncclprof_sink.job_env puts it in the job's environment). Polled by the loop."""
-        return self.sinks.open_ncclprof()
+        (ccld/tracer/ncclprof_sink.job_env puts it in the job's environment; `ccld agent
+        --nccl-plugin-socket PATH` names one for jobs started elsewhere). Polled by the loop."""
+        return self.sinks.open_ncclprof(path)
 
     def _ident_of(self, pid: int) -> Optional[Tuple[int, str]]:
         """(global rank, job) of a process of this node: known to discovery, or read from /proc now."""

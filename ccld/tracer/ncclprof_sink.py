@@ -22,6 +22,7 @@ import collections
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -32,6 +33,7 @@ import numpy as np
 from ccld import wire as ev
 from ccld.bpf.rows import KIND_COLL, KIND_END, KIND_START, Builder, Groups, group_keys
 from ccld.cupti.shim import gpu_present
+from ccld.errors import CcldError
 from ccld.tracer.ncclprof_seq import CollNumbering
 
 RCVBUF_BYTES = 8 * 1024 * 1024  # datagrams queued for us; beyond it the plugins' sends fail (counted there)
@@ -56,16 +58,30 @@ Ident = Tuple[int, str]  # (global rank, job)
 class NcclProfSink:
     def __init__(self, emit: Callable[[ev.Event], None],
                  ident_of: Callable[[int], Optional[Ident]] = lambda pid: None,
-                 mono_ns: Callable[[], int] = time.monotonic_ns):
+                 mono_ns: Callable[[], int] = time.monotonic_ns, path: Optional[str] = None):
+        """`path`: a socket path of the caller's (`ccld agent --nccl-plugin-socket`: jobs started
+        elsewhere send there; whoever may write to it may send events); default a fresh private one."""
         self.emit, self.ident_of, self.mono_ns = emit, ident_of, mono_ns
-        base = tempfile.gettempdir()
-        if len(base) > 60:  # the path must fit in sun_path (108 bytes)
-            base = "/tmp"
-        self._dir = tempfile.mkdtemp(prefix="ccld-ncclprof-", dir=base)  # mode 0700
-        self.path = os.path.join(self._dir, "sink")
+        self._dir: Optional[str] = None
+        if path is None:
+            base = tempfile.gettempdir()
+            if len(base) > 60:  # the path must fit in sun_path (108 bytes)
+                base = "/tmp"
+            self._dir = tempfile.mkdtemp(prefix="ccld-ncclprof-", dir=base)  # mode 0700
+            path = os.path.join(self._dir, "sink")
+        self.path = os.path.abspath(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
-        self._sock.bind(self.path)
+        try:
+            if self._dir is None and stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)  # a socket left by an agent that died: nobody reads it
+        except FileNotFoundError:
+            pass
+        try:
+            self._sock.bind(self.path)
+        except OSError as e:
+            self._sock.close()
+            raise CcldError(f"NCCL plugin socket {self.path}: cannot bind: {e.strerror}") from None
         self._sock.settimeout(READ_TIMEOUT_S)
         self.counters: Dict[str, int] = collections.Counter()  # type: ignore[assignment]
         self.ranks_on: Dict[int, str] = {}          # pid -> "on" / "off: why" / "bye"
@@ -164,7 +180,13 @@ class NcclProfSink:
         self._closed = True
         self._reader.join(2 * READ_TIMEOUT_S + 1)
         self._sock.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        else:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
 
 
 class _ProcState:

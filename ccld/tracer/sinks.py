@@ -42,10 +42,10 @@ class RankSinks:
             self.adopt_cupti(CuptiSink(self.emit))
         return self.cupti.endpoint
 
-    def open_ncclprof(self) -> str:
+    def open_ncclprof(self, path: Optional[str] = None) -> str:
         if self.ncclprof is None:
             from ccld.tracer.ncclprof_sink import NcclProfSink
-            self.adopt_ncclprof(NcclProfSink(self.emit))
+            self.adopt_ncclprof(NcclProfSink(self.emit, path=path))
         return self.ncclprof.path
 
     def _each(self):

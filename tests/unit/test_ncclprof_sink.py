@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ccld import wire as ev
+from ccld.errors import CcldError
 from ccld.bpf.rows import Rows
 from ccld.ncclprof import format as fmt
 from ccld.tracer import ncclprof_sink as ns
@@ -232,3 +233,23 @@ def test_more_datagrams_than_the_socket_queues_are_all_read(sink):
         time.sleep(0.01)
     assert refused == 0 and sink.received == 120
     assert sum(sink.poll() for _ in range(3)) == 120
+
+
+def test_a_named_socket_for_jobs_started_elsewhere(tmp_path):
+    # ccld agent --nccl-plugin-socket PATH: a stale socket of a dead agent is replaced, a path that cannot
+    # be bound is a clear error, and close() removes the socket (not the directory it is in).
+    path = tmp_path / "ncclprof.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    stale.bind(str(path))
+    stale.close()
+    out = Out()
+    s = ns.NcclProfSink(out, ident_of=lambda pid: (2, "job"), path=str(path))
+    try:
+        send(s, datagram(task(fmt.KIND_COLL_START, 0, 10)))
+        s.poll()
+        assert len(out.of(ev.CollEnter)) == 1
+    finally:
+        s.close()
+    assert not path.exists() and tmp_path.exists()
+    with pytest.raises(CcldError, match="cannot bind"):
+        ns.NcclProfSink(out, path=str(tmp_path / "no-such-dir" / "x.sock"))
