@@ -249,6 +249,18 @@ def stopped_by_launcher(tl: Timeline, comm: Comm, ranks) -> List[int]:
     return sorted(out)
 
 
+def crashed(tl: Timeline, comm: Comm, ranks) -> List[int]:
+    """Those of `ranks` that exited of themselves or of a signal not from their launcher (killed,
+    crashed, out of memory): a peer that exited will not come, whatever the threshold, and when the
+    launcher then stops the others at once (torchrun within ~0.1 s) there is no later moment to say it."""
+    out = []
+    for r in ranks:
+        rec = tl.rank_record(comm.job, r)
+        if rec is not None and rec.exited() and not rec.stopped_by_launcher:
+            out.append(r)
+    return sorted(out)
+
+
 def job_stopped(tl: Timeline, comm: Comm, expected) -> bool:
     """Every member of `comm` exited of its launcher's signal: the job was stopped or restarted (an
     elastic restart, a cancelled job), which leaves its last collective open on no one's account."""
@@ -527,7 +539,8 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
                 rec = tl.rank_record(comm.job, r)
                 if rec is not None:
                     activity.note(rec)
-        if now - onset <= threshold:
+        gone = crashed(tl, comm, missing)
+        if now - onset <= threshold and not gone:
             return None
         # The missing ranks may themselves wait for others (in a send/recv, or another communicator's
         # collective): the culprits are the heads of those chains, and whether they are dead or working
@@ -539,7 +552,7 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
                 rec = tl.rank_record(comm.job, r)
                 if rec is not None:
                     activity.note(rec)
-        dead = _dead(tl, comm, culprits)
+        dead = gone or _dead(tl, comm, culprits)  # the launcher's stops after a crash are its consequences
         busy_threshold = max(BUSY_FLOOR_S, k * spread_peak)
         pause = not dead and now - onset <= busy_threshold and _working(tl, comm, culprits, onset, activity)
         blamed = dead or sorted(culprits)

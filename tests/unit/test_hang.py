@@ -106,6 +106,28 @@ def test_exited_rank_is_a_fault():
     assert "rank 2 exited" in format_line(f)
 
 
+def test_a_rank_killed_then_the_rest_stopped_by_the_launcher_is_named_at_once():
+    # torchrun stops the others ~0.1 s after one rank is SIGKILLed, before gloo reports an error and
+    # long before any threshold: the killed rank is named from its exit, not the ranks stopped after it.
+    job, tl, t = run_to(56)
+    for r in (1, 3):
+        job.enter(r, 57, t)
+    job.exit(2, t + 0.2, exact=True, signal=9)
+    for r in (0, 1, 3):
+        job.exit(r, t + 0.3, exact=True, signal=15, by_launcher=True)
+    job.feed(tl, t + 0.4)
+    (f,) = hangs(tl, t + 0.5)
+    assert (f.cls, f.ranks, f.evidence["reason"]) == ("fault", [2], "exited")
+    # a job whose launcher stopped every rank (an elastic restart) is nobody's fault
+    job, tl, t = run_to(56)
+    for r in (1, 3):
+        job.enter(r, 57, t)
+    for r in range(4):
+        job.exit(r, t + 0.3, exact=True, signal=15, by_launcher=True)
+    job.feed(tl, t + 0.4)
+    assert hangs(tl, t + 10) == []
+
+
 def test_fault_names_the_dead_rank_and_lists_the_other_missing():
     job, tl, t = run_to(56)
     for r in (0, 3):
