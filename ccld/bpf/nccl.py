@@ -13,8 +13,10 @@ in this process from 0, which matches across ranks because NCCL requires every r
 same collectives in the same order.
 
 Caveats: an entry probe sees the call, not the GPU work (NCCL is asynchronous). A communicator
-created before we attached has no known identity: it is named `<job>/nccl:handle-<hex>` (a per-process
-name that cannot match across ranks), its seq starts at our attach, and `unknown_handles` counts it.
+created before we attached has no known identity: it is named `<job>/nccl:handle-r<rank>-<hex>` (a
+per-process name that cannot match across ranks; `p<pid>` when the rank is unknown), its seq starts
+at our attach (CommInit.seq_source "attach"), and `unknown_handles` counts it; the collector joins
+such streams across ranks (ccld/timeline/align.py).
 """
 from __future__ import annotations
 
@@ -291,15 +293,17 @@ class NcclTranslator:
 
     def _new_comm(self, pid: int, st: ProcState, handle: int, identity: Optional[int], ts: int,
                   group_rank: int = -1, group_size: int = -1) -> CommState:
-        if identity is None:
-            name = f"{st.job}/nccl:handle-{handle:x}"
+        if identity is None:  # the process in the name too: two processes may hold one address
+            who = f"r{st.rank}" if st.rank >= 0 else f"p{pid}"
+            name = f"{st.job}/nccl:handle-{who}-{handle:x}"
         else:
             name = f"{st.job}/nccl:{identity:016x}"
         if len(st.comms) >= MAX_COMMS_PER_PROC and handle not in st.comms:
             st.comms.clear()
         cs = st.comms[handle] = CommState(name, identity)
         self._out.event(ev.CommInit(pid=pid, rank=st.rank, ts_ns=ts, backend="nccl", comm=name,
-                                    group_rank=group_rank, group_size=group_size, handle=handle))
+                                    group_rank=group_rank, group_size=group_size, handle=handle,
+                                    seq_source=ev.SEQ_FROM_ATTACH if identity is None else ev.SEQ_FROM_INIT))
         return cs
 
     def _comm(self, pid: int, st: ProcState, handle: int, ts: int) -> CommState:

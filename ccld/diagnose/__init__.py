@@ -22,8 +22,10 @@ and combining what they say:
                      "info", from slow.py or compute.py) per job that has no culprit: the waiting
                      moves from rank to rank;
   add_stacks         stack.py (py-spy), live only, outside the caller's lock.
-Printing is `findings.format_line`'s job; the lifecycle over time (open, update, resolve) is
-`tracker.FindingTracker`'s; offline analysis of a store is `replay.replay`.
+A finding on a communicator joined from per-process NCCL streams (timeline/align.py) says how, in
+evidence["alignment"] (`with_alignment`). Printing is `findings.format_line`'s job; the lifecycle
+over time (open, update, resolve) is `tracker.FindingTracker`'s; offline analysis of a store is
+`replay.replay`.
 Callers hold the timeline's lock (if any) for find_*; the Diagnoser keeps small caches per timeline
 (collectives already summarised), so use one Diagnoser per Timeline.
 """
@@ -42,6 +44,16 @@ def _with_comm_slow(c: Finding, evidence, link) -> Finding:
                       note=c.evidence.get("note", "") + "; its transfers are slow too (starved communication "
                            "threads), so the collectives through it take longer")
     return c
+
+
+def with_alignment(tl, found: List[Finding]) -> List[Finding]:
+    """`found`, each finding on a communicator that timeline/align.py joined from per-process NCCL
+    streams saying so (evidence["alignment"]): a finding never rests on an alignment it does not state."""
+    for f in found:
+        c = tl.comms.get(f.comm)
+        if c is not None and c.alignment is not None and "alignment" not in f.evidence:
+            f.evidence["alignment"] = dict(c.alignment, members=list(c.alignment["members"]))
+    return found
 
 
 def mix(comp: List[Finding], comm: List[Finding]) -> List[Finding]:
@@ -94,7 +106,7 @@ class Diagnoser:
         return self._pass[1]
 
     def find_inconsistent(self, now: float) -> List[Finding]:
-        return self._inconsistent.find(self.timeline, now)
+        return with_alignment(self.timeline, self._inconsistent.find(self.timeline, now))
 
     def find_hangs(self, now: float) -> List[Finding]:
         """Hangs that hold at Unix time `now`: inconsistent collectives first, then the hangs they
@@ -106,7 +118,7 @@ class Diagnoser:
         replaced = {(f.comm, f.seq) for f in refined}
         refined += nccllinks.find_proxy_faults(self.timeline, now, [h for h in hangs if (h.comm, h.seq) not in replaced])
         replaced = {(f.comm, f.seq) for f in refined}
-        return incs + [h for h in hangs if (h.comm, h.seq) not in replaced] + refined
+        return with_alignment(self.timeline, incs + [h for h in hangs if (h.comm, h.seq) not in replaced] + refined)
 
     def _held(self, found: List[Finding], now: float) -> List[Finding]:
         """comm-slow findings that have held for COMM_SLOW_HOLD_S: a link that slows because one rank's
@@ -161,7 +173,7 @@ class Diagnoser:
             if f.job not in named:
                 named.add(f.job)
                 found.append(f)
-        return pauses + found
+        return with_alignment(self.timeline, pauses + found)
 
     def diagnose(self, now: float) -> List[Finding]:
         """Everything that holds at `now` (what the collector's tick and replay ask)."""

@@ -59,6 +59,8 @@ FAILED_GRACE_S = 1.0  # after the first error, wait this long for the other rank
 MAX_CHAIN = 8         # hops followed from a missing rank to the collective it waits in, and on
 WORKING_CPU = 0.3     # CPU s per s over a wait that makes a missing rank "working", whatever one sample says
 STUCK_IO_CPU = 0.01   # CPU s per s below which a rank in D in one wait channel all along is stuck, not writing
+ENDLESS_AFTER = 3     # a communicator with this many collectives entered by all and none ever ended has a
+                      # source that reports no ends (NCCL's API probes without CUPTI or the profiler plugin)
 MAX_SAMPLES = 600     # /proc samples kept per waited-for rank: 10 minutes at one a second
 MAX_TRACKED = 4096    # ranks with samples before old ones are dropped ...
 SAMPLES_KEPT_S = 600.0  # ... those not sampled for 10 minutes
@@ -590,6 +592,8 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
     not_ended = expected - view.end.keys()
     if not not_ended:
         return None  # completed: everyone is between collectives
+    if comm.first_done_at is None and seq >= ENDLESS_AFTER:
+        return None  # its source reports no completions (NCCL's API probes alone): "inside" is "in flight"
     onset = max(view.enter[r] for r in expected)
     threshold = max(floor_for(floor_s, comm.first_done_at, now, comm.completed), k * dur_peak)
     if now - onset <= threshold:

@@ -9,6 +9,8 @@
     gpu.py          CUPTI kernels joined to the collectives they ran (its rule: gpujoin.py, shared with
                     the export)
     blocked.py      each rank's time spent waiting in communication
+    align.py        NCCL communicators seen only after the attach (named per process) joined across
+                    ranks by their op streams and enter times; their events rewritten at ingest
 
 Used by the live collector (ccld.collector), `diagnose` (ccld.diagnose), the outputs (ccld.export,
 `ccld links`) and the metrics. Layering: it imports ccld.wire, ccld.store (reading a store) and

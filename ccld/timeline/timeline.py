@@ -11,7 +11,8 @@ MAX_RANKS processes, MAX_PENDING_NO_CLOCK events waiting for their agent's first
 Whatever falls outside a bound, and every odd event (end without enter, unknown pid, duplicate),
 is counted in `anomalies`, never fatal. Not thread-safe: the caller serialises ingest and reads.
 Caveat: a communicator whose group size is unknown (attached after init) is assumed to span its
-job's whole world.
+job's whole world, except an NCCL one named by one process's handle: align.py joins those across
+ranks, by their op streams and enter times, and rewrites their events at ingest.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from ccld import wire as ev
+from ccld.timeline.align import Aligner, per_process
 from ccld.timeline.blocked import BlockedTable
 from ccld.timeline.clock import ClockTable
 from ccld.timeline.compute import ComputeTable
@@ -148,6 +150,10 @@ class Comm:
     p2p: Optional[CommP2P] = None                              # its point-to-point ops, once it has any
     unseen_noted: bool = False  # hang.py counted (once) that a crowd of its members was never reported
     first_done_at: Optional[float] = None  # when its first collective completed (how long its normal is known)
+    # Its expected members are the members seen, never the job's world: a per-process NCCL communicator
+    # (named by its handle, seen after the attach) and one joined from such by align.py
+    members_only: bool = False
+    alignment: Optional[Dict[str, Any]] = None  # align.py's joined communicator: how (findings' evidence)
 
 
 _RANK_EVENTS = (ev.RankState, ev.RankExit, ev.CommInit, ev.CollEnter, ev.WorkStart, ev.WorkEnd, ev.P2P,
@@ -186,6 +192,7 @@ class Timeline:
         self.progress = ProgressTable(self.anomalies)  # NCCL proxy progress per link (profiler plugin)
         self.blocked = BlockedTable(self.anomalies)  # per rank, time spent waiting in communication
         self.compute = ComputeTable(self.anomalies)  # per rank, each run of each compute op (tables, traces)
+        self.align = Aligner(self, Comm, MAX_COMMS)  # NCCL communicators seen after the attach, joined across ranks
         # Exact per-(global rank, op) counts, for tests and sanity checks (all jobs together).
         self.enter_counts: collections.Counter = collections.Counter()
         self.end_counts: collections.Counter = collections.Counter()
@@ -223,7 +230,10 @@ class Timeline:
         self._recv_prev = recv_unix
         self.clock.arrived(self._recv_s)
         prepared: Dict[Block, Any] = {}
-        for e in in_order(batch.plain, batch.blocks):
+        plain, blocks = batch.plain, batch.blocks
+        if batch.node in self.align.nodes:  # its NCCL calls seen after the attach are aligned (align.py)
+            plain, blocks = self.align.rewrite(plain, blocks)
+        for e in in_order(plain, blocks):
             if type(e) is tuple:  # a run of a column block: rows i:j, all of one collective
                 self._run_of(agent, batch.node, prepared, *e)
                 continue
@@ -244,6 +254,8 @@ class Timeline:
         for b, prep in prepared.items():
             if prep is not False:
                 self._saw_rows(b, prep)
+        if self.align.waiting:
+            self.align.tick(self._recv_s)
 
     def _run_of(self, agent: str, node: str, prepared: Dict[Block, Any], b: Block, seq: int, i: int, j: int) -> None:
         """Rows i:j of column block `b` (ccld/wire/blocks.py), all of collective `seq`: in one pass when they are
@@ -540,6 +552,8 @@ class Timeline:
             comm.members.add(rank)
             if e.seq_source:
                 comm.seq_sources[rank] = e.seq_source
+            if per_process(e):
+                self.align.watch(comm, rank)
             if e.group_rank >= 0:  # seen at its creation: this rank's p2p numbering began with the group
                 comm.group_of[rank] = e.group_rank
                 comm.global_by_group[e.group_rank] = rank
@@ -678,7 +692,7 @@ class Timeline:
         key = (world, comm.group_size, len(comm.members), seen)
         if comm.expected_key != key:
             spans = world > 0 and (comm.group_size < 0 or comm.group_size == world) \
-                and world <= 2 * seen + SMALL_WORLD
+                and world <= 2 * seen + SMALL_WORLD and not comm.members_only
             comm.expected = frozenset(range(world)) if spans else frozenset(comm.members)
             comm.expected_key = key
         return comm.expected
@@ -761,4 +775,4 @@ class Timeline:
                 "clock_samples_rejected": self.clock.rejected, "clock": self.clock.summary(),
                 "pending_no_clock": sum(len(q) for q in self._pending.values()),
                 "agents": len(self.agents), "ranks": len(self.ranks), "comms": len(self.comms),
-                "gpu": self.gpu.counters()}
+                "gpu": self.gpu.counters(), "nccl_alignment": self.align.counters()}

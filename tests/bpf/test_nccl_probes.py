@@ -222,7 +222,7 @@ def test_translator_on_real_records(traced):
     tr.add_process(ready["pid"], rank=7, job="j")
     for what, (rows, kinds) in records.drains:
         tr.records(rows, kinds)
-    name = f"j/nccl:handle-{ready['comm']:x}"  # the init failed, so the handle was never named
+    name = f"j/nccl:handle-r7-{ready['comm']:x}"  # the init failed, so the handle was never named
     inits = [e for e in out if isinstance(e, ev.CommInit)]
     assert [(e.comm, e.handle, e.group_rank) for e in inits] == [(name, ready["comm"], -1)]
     assert tr.counters["unknown_handles"] == 1

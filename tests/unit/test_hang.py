@@ -128,6 +128,24 @@ def test_a_rank_killed_then_the_rest_stopped_by_the_launcher_is_named_at_once():
     assert hangs(tl, t + 10) == []
 
 
+def test_a_source_without_completions_is_not_called_stuck_inside():
+    # NCCL's API probes alone say when ranks called a collective, never when it ended: a healthy job
+    # that pauses after its last call must not look stuck inside it. A real not-entered hang still is one.
+    job, tl = SynthJob(), Timeline()
+    job.announce(T0)
+    t = T0 + 1
+    for seq in range(20):
+        job.collective(seq, t + 0.1 * seq, finish=False)
+    job.feed(tl, t + 2.1)
+    job.feed(tl, t + 29.9)  # the agents keep sending (a silent agent would make it unjudgeable)
+    assert hangs(tl, t + 30) == []
+    job.collective(20, t + 30, ranks=[0, 1, 3], finish=False)
+    job.feed(tl, t + 30.1)
+    job.feed(tl, t + 39.9)
+    (f,) = hangs(tl, t + 40)
+    assert (f.cls, f.ranks) == ("not-entered", [2])
+
+
 def test_fault_names_the_dead_rank_and_lists_the_other_missing():
     job, tl, t = run_to(56)
     for r in (0, 3):

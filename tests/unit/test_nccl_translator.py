@@ -86,6 +86,7 @@ def test_ranks_name_one_communicator_alike(tr):
     assert [(e.pid, e.comm, e.group_rank, e.group_size, e.handle, e.backend) for e in inits] == [
         (100, f"job/nccl:{IDENT:016x}", 0, 4, 0xA000, "nccl"),
         (200, f"job/nccl:{IDENT:016x}", 1, 4, 0xB000, "nccl")]
+    assert {e.seq_source for e in inits} == {ev.SEQ_FROM_INIT}
 
 
 def test_seq_counts_per_communicator_from_zero(tr):
@@ -112,7 +113,8 @@ def test_p2p_does_not_take_a_collective_seq(tr):
 def test_unknown_handle_is_named_per_process_and_counted(tr):
     feed(tr, coll(100, 0xABC), coll(100, 0xABC))
     (ci,) = of(tr, ev.CommInit)
-    assert (ci.comm, ci.group_rank, ci.group_size) == ("job/nccl:handle-abc", -1, -1)
+    assert (ci.comm, ci.group_rank, ci.group_size) == ("job/nccl:handle-r0-abc", -1, -1)
+    assert ci.seq_source == ev.SEQ_FROM_ATTACH  # numbered from our first sight: the collector aligns it
     assert [e.seq for e in of(tr, ev.CollEnter)] == [0, 1]
     assert tr.counters["unknown_handles"] == 1
 
@@ -143,7 +145,7 @@ def test_nocolor_split_makes_no_comm_but_counts(tr):
 def test_split_of_unknown_parent(tr):
     feed(tr, split(100, 0xDEAD, 0xA100, color=1))
     (ci,) = of(tr, ev.CommInit)
-    assert ci.comm == "job/nccl:handle-a100"
+    assert ci.comm == "job/nccl:handle-r0-a100"
     assert tr.counters["unknown_parents"] == 1
 
 

@@ -10,6 +10,11 @@ startMagic == 0 and returns ncclInvalidArgument before it touches anything else;
 before it reads comm->commHash, which the buffer covers. Destroy/abort get NULL (they return at once
 for NULL but would dereference any other pointer). Split's first step is cudaGetDevice, which fails.
 Prints `done {json}` with what was called, and exits 0 unless the library could not be loaded.
+
+With --stream N it makes no PLAN calls but collectives FIRST..N-1 of a mixed stream that every rank
+shares (stream(), from a fixed seed): collective k at CLOCK_MONOTONIC ns START + k * --period-ms, START
+being the number written in the go-file. Ranks started with different --first are what the agent sees
+of one job's collectives when it attached to them at different points (tests/bpf/test_nccl_attach_align.py).
 """
 import argparse
 import ctypes as ct
@@ -49,6 +54,15 @@ PLAN = {
 }
 
 
+def stream(n: int):
+    """n collectives as (function, count, dtype): mixed ops and sizes, the same on every rank."""
+    import random
+    rng = random.Random(20)
+    kinds = [("ncclAllReduce", 1001, FLOAT32), ("ncclAllReduce", 64, FLOAT32), ("ncclBroadcast", 1003, INT64),
+             ("ncclAllGather", 1007, BFLOAT16), ("ncclReduceScatter", 1009, FLOAT64)]
+    return [rng.choice(kinds) for _ in range(n)]
+
+
 def find_lib() -> str:
     import nvidia.nccl
     for d in nvidia.nccl.__path__:
@@ -67,6 +81,9 @@ def main() -> int:
     ap.add_argument("--lib", default="")
     ap.add_argument("--go-file", default="")
     ap.add_argument("--go-timeout-s", type=float, default=120)
+    ap.add_argument("--stream", type=int, default=0, help="call collectives FIRST..N-1 of stream() instead of PLAN")
+    ap.add_argument("--first", type=int, default=0)
+    ap.add_argument("--period-ms", type=float, default=20.0)
     a = ap.parse_args()
 
     lib = ct.CDLL(a.lib or find_lib())
@@ -103,13 +120,13 @@ def main() -> int:
     stream_buf = ct.create_string_buffer(STREAM_BUF_BYTES)
     send_buf = ct.create_string_buffer(DATA_BYTES)
     recv_buf = ct.create_string_buffer(DATA_BYTES)
-    comm, stream = ct.addressof(comm_buf), ct.addressof(stream_buf)
+    comm, stream_ptr = ct.addressof(comm_buf), ct.addressof(stream_buf)
     sb, rb = ct.addressof(send_buf), ct.addressof(recv_buf)
     uid = UniqueId()
     ct.memmove(uid.internal, UNIQUE_ID, len(UNIQUE_ID))
 
     print("ready " + json.dumps({"pid": os.getpid(), "version": version.value, "comm": comm,
-                                 "stream": stream, "sendbuff": sb, "recvbuff": rb}), flush=True)
+                                 "stream": stream_ptr, "sendbuff": sb, "recvbuff": rb}), flush=True)
     if a.go_file:
         deadline = time.monotonic() + a.go_timeout_s
         while not os.path.exists(a.go_file):
@@ -117,6 +134,18 @@ def main() -> int:
                 print("gave up waiting for the go-file", file=sys.stderr)
                 return 2
             time.sleep(0.02)
+
+    if a.stream:
+        start_ns = int(open(a.go_file).read().strip() or 0) if a.go_file else time.monotonic_ns()
+        for k, (fname, count, dtype) in enumerate(stream(a.stream)):
+            if k < a.first:
+                continue
+            time.sleep(max(0.0, (start_ns + k * a.period_ms * 1e6 - time.monotonic_ns()) / 1e9))
+            args = (sb, rb, count, dtype) + ((0,) if fname == "ncclBroadcast" else ()) \
+                + ((SUM,) if fname in ("ncclAllReduce", "ncclReduceScatter") else ()) + (comm, stream_ptr)
+            fns[fname](*args)
+        print("done " + json.dumps({"called": a.stream - a.first}), flush=True)
+        return 0
 
     called = {}
     rcs = {}
@@ -132,19 +161,19 @@ def main() -> int:
     for label, (reps, p) in PLAN.items():
         for _ in range(reps):
             if label == "allreduce":
-                call(label, "ncclAllReduce", sb, rb, p["count"], p["dtype"], p["op"], comm, stream)
+                call(label, "ncclAllReduce", sb, rb, p["count"], p["dtype"], p["op"], comm, stream_ptr)
             elif label == "broadcast":
-                call(label, "ncclBroadcast", sb, rb, p["count"], p["dtype"], p["root"], comm, stream)
+                call(label, "ncclBroadcast", sb, rb, p["count"], p["dtype"], p["root"], comm, stream_ptr)
             elif label == "reduce":
-                call(label, "ncclReduce", sb, rb, p["count"], p["dtype"], p["op"], p["root"], comm, stream)
+                call(label, "ncclReduce", sb, rb, p["count"], p["dtype"], p["op"], p["root"], comm, stream_ptr)
             elif label == "allgather":
-                call(label, "ncclAllGather", sb, rb, p["count"], p["dtype"], comm, stream)
+                call(label, "ncclAllGather", sb, rb, p["count"], p["dtype"], comm, stream_ptr)
             elif label == "reduce_scatter":
-                call(label, "ncclReduceScatter", sb, rb, p["count"], p["dtype"], p["op"], comm, stream)
+                call(label, "ncclReduceScatter", sb, rb, p["count"], p["dtype"], p["op"], comm, stream_ptr)
             elif label == "send":
-                call(label, "ncclSend", sb, p["count"], p["dtype"], p["peer"], comm, stream)
+                call(label, "ncclSend", sb, p["count"], p["dtype"], p["peer"], comm, stream_ptr)
             elif label == "recv":
-                call(label, "ncclRecv", rb, p["count"], p["dtype"], p["peer"], comm, stream)
+                call(label, "ncclRecv", rb, p["count"], p["dtype"], p["peer"], comm, stream_ptr)
             elif label == "group":
                 call(label, "ncclGroupStart")
                 fns["ncclGroupEnd"]()  # counted with its start; its rc is the group's error, if any
@@ -165,7 +194,7 @@ def main() -> int:
             elif label == "abort":
                 call(label, "ncclCommAbort", None)
             elif label == "allreduce_config" and "ncclAllReduceConfig" in fns:
-                call(label, "ncclAllReduceConfig", sb, rb, p["count"], p["dtype"], p["op"], comm, stream, None)
+                call(label, "ncclAllReduceConfig", sb, rb, p["count"], p["dtype"], p["op"], comm, stream_ptr, None)
 
     print("done " + json.dumps({"called": called, "rcs": {k: sorted(v) for k, v in rcs.items()}, "outs": outs}),
           flush=True)
