@@ -411,7 +411,9 @@ def main() -> int:
             md += (f"\n\nScored from the runs' log by `python bench/accuracy.py "
                    f"{' '.join('--from-log ' + x for x in a.from_log)}`.")
         print(md)
-        if a.write_results:
+        if a.write_results and a.scenarios:  # the logs of a repeat of a few scenarios: its own section
+            write_section("accuracy-repeat", "### Diagnosis accuracy, repeated scenarios\n\n" + md)
+        elif a.write_results:
             write_section("accuracy", "## Diagnosis accuracy (scenario suite, strict scoring)\n\n" + md)
         return 0
     if not a.tick_only:
