@@ -602,8 +602,10 @@ static struct task* task_start(struct ctx* c, const struct nev* e) {
   atomic_store_explicit(&t->n_kernel, 0, memory_order_relaxed);
   atomic_store_explicit(&t->n_proxy, 0, memory_order_relaxed);
   atomic_store_explicit(&t->kernel_seen, 0, memory_order_relaxed);
-  /* NCCL adds a kernel-channel proxy op only for work with steps: an empty op may never get one */
-  bool kernels_come = c->version >= 3 && (c->mask & EV_KERNEL_CH) && e->count > 0;
+  /* NCCL adds a kernel-channel proxy op only for work with steps: an empty op may never get one, and
+     neither does a send or receive to the rank itself (a local copy, no proxy op: NCCL's enqueue) */
+  bool to_self = p2p && e->peer_or_root == e->rank;
+  bool kernels_come = c->version >= 3 && (c->mask & EV_KERNEL_CH) && e->count > 0 && !to_self;
   atomic_store_explicit(&t->st, kernels_come ? T_WAIT_CHILD : 0, memory_order_release);
   np_record r;
   task_record(t, p2p ? CCLD_NP_P2P_START : CCLD_NP_COLL_START, 0, t->t_start, 0, &r);

@@ -162,6 +162,22 @@ def sc_p2p(lib, version):
     return {}
 
 
+def sc_p2p_self(lib):
+    """v5, rank 1: a send to itself and a receive from itself (NCCL copies locally: no proxy op, no
+    kernel channel event for them), then an ordinary send to 2 with its kernel channel."""
+    n = Nccl(lib, 5)
+    ctx, _ = n.init(rank=1)
+    for func, peer in (("Send", 1), ("Recv", 1)):
+        n.stop(n.start(ctx, n.p2p(func, peer)))
+    h = n.start(ctx, n.p2p("Send", 2))
+    n.stop(h)
+    n.kernel_stop(n.start(ctx, n.kernel_ch(h, 0, ptimer=100)), 200)
+    sleep_intervals(14)  # past the no-child grace (10 intervals): ends come before finalize
+    t = mono()
+    n.finalize(ctx)
+    return {"t": t}
+
+
 def _steps(n, ctx, op, states, count, first):
     """`count` steps of one proxy op, each through `states` [(state, trans_size or None, sleep_s)]."""
     for i in range(count):
@@ -326,7 +342,7 @@ def sc_two_comms(lib):
 
 SCENARIOS = {f.__name__[3:]: f for f in (sc_coll, sc_hang, sc_late_channel, sc_enqueue_only, sc_stale, sc_p2p,
                                          sc_progress, sc_progress_v2, sc_many, sc_absent, sc_calls_when_off,
-                                         sc_impossible, sc_chain, sc_chain_v1, sc_two_comms)}
+                                         sc_impossible, sc_chain, sc_chain_v1, sc_two_comms, sc_p2p_self)}
 
 # ---- the parent: build, bind, run, receive -----------------------------------------------------------
 
@@ -604,6 +620,20 @@ def test_p2p_numbered_per_peer_and_direction(plugin, version):
     assert sorted(end["id"]) == sorted(start["id"]) and (end["flags"] & fmt.F_END_CHILDREN).all()
     assert len(r.records("p2p_kernel")) == (4 if version >= 3 else 0)
     assert len(r.records("coll_start")) == 0
+
+
+def test_a_send_to_itself_ends_without_waiting_for_a_kernel(plugin):
+    # NCCL gives a send/receive to the rank itself no kernel-channel event: waiting for one would keep it
+    # open (a blocked send to the collector) until it went stale, and hold a handle meanwhile.
+    r = run(plugin, "p2p_self")
+    start, end = r.records("p2p_start"), r.records("p2p_end")
+    assert [(int(x["peer"]), str(x["op_name"])) for x in start] == [(1, "send"), (1, "recv"), (2, "send")]
+    by_id = {int(x["id"]): x for x in end}
+    assert sorted(by_id) == sorted(int(x["id"]) for x in start)
+    self_ends = [by_id[int(x["id"])] for x in start[:2]]
+    assert all(int(e["flags"]) & fmt.F_END_ENQUEUE and not int(e["flags"]) & fmt.F_END_STALE for e in self_ends)
+    assert all(0 < int(e["t_ns"]) <= r.out["t"] for e in self_ends)  # ended before finalize, at its launch
+    assert int(by_id[int(start[2]["id"])]["flags"]) & fmt.F_END_CHILDREN
 
 
 def test_link_progress_bytes_steps_and_wait_split(plugin):
