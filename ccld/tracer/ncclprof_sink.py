@@ -137,7 +137,8 @@ class NcclProfSink:
         except ValueError as e:
             self.counters[f"bad_datagram_{getattr(e, 'reason', 'format')}"] += 1
             return
-        ident = self.ident_of(batch.pid)
+        st = self._state.get(batch.pid)
+        ident = self.ident_of(batch.pid) or (st.ident if st is not None else None)  # exited: as it was known
         if ident is None and not final:
             if len(self._held) < MAX_HELD:
                 self._held.append((time.monotonic(), raw))
@@ -195,6 +196,7 @@ class _ProcState:
         self.plugin_counters: Dict[str, int] = {}
         self.state = ""
         self.numbers = CollNumbering()
+        self.ident: Optional[Ident] = None  # (rank, job) as last known: a process that exited keeps it
 
 
 _DTYPE_BYTES = {"int8": 1, "uint8": 1, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "float16": 2,
@@ -215,6 +217,7 @@ def convert(sink: NcclProfSink, batch, ident: Ident) -> None:
     if st is None:
         st = sink._state[pid] = _ProcState()
     st.plugin_counters = dict(batch.drops, unknown_records=batch.unknown)
+    st.ident = ident
     out = Builder(sink.groups)
     recs = batch.records
     if batch.state != st.state:

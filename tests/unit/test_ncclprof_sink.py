@@ -253,3 +253,17 @@ def test_a_named_socket_for_jobs_started_elsewhere(tmp_path):
     assert not path.exists() and tmp_path.exists()
     with pytest.raises(CcldError, match="cannot bind"):
         ns.NcclProfSink(out, path=str(tmp_path / "no-such-dir" / "x.sock"))
+
+
+def test_a_process_that_exited_keeps_the_job_it_was_known_in(sink, monkeypatch):
+    # Its last datagram ("bye") often comes after the process is gone, when /proc can no longer say
+    # which job it was in: the events go where its earlier ones went, not to a job of their own.
+    known = {PID: (2, "job")}
+    sink.ident_of = lambda pid: known.get(pid)
+    send(sink, datagram(task(fmt.KIND_COLL_START, 0, 10), number=1))
+    sink.poll()
+    known.clear()
+    send(sink, datagram(task(fmt.KIND_COLL_START, 1, 20), number=2, state=fmt.STATE_BYE))
+    sink.poll()
+    assert [(e.rank, e.comm) for e in sink.out.of(ev.CollEnter)] == [(2, f"job/nccl:{HASH:016x}")] * 2
+    assert sink.counters["held"] == 0
