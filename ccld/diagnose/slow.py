@@ -18,7 +18,8 @@ summaries they read, are episodes.py's (compute.py judges compute durations by t
 Ranks slowed together (a pipeline stage, a node): when as many ranks are late as are on time, the
 median sits between them and nobody is late by it; each collective's late cluster is then judged
 against the clusters' own noise (not in a job that passes work along a pipeline, where every stage
-after a slow one arrives late with it), and the ranks named are one finding that says they were slow
+after a slow one arrives late with it, nor where a subgroup holds some of the ranks: they may be late
+together from its collectives), and the ranks named are one finding that says they were slow
 together. A window with someone late in most collectives, costing the others MIN_COST of the time,
 but no rank late in most of them, is `spread`: an informational finding (kind "info", no ranks).
 Evidence: the lag numbers, the noise and threshold, and what the late rank's process did: runqueue
@@ -176,7 +177,7 @@ class LatenessDetector:
         if len(window) < MIN_COLLS:
             return None
         members = sorted(tl.expected_members(comm.id))
-        j = judge(window, len(members), clusters=not pipelined(tl, comm.job))
+        j = judge(window, len(members), clusters=not pipelined(tl, comm.job) and not split_by_subgroups(tl, comm))
         if not j.slow:
             return None if j.spread is None else spread_finding(comm.job, comm.id, j.spread, now, "arriving",
                                                                 "the collectives")
@@ -206,6 +207,20 @@ class LatenessDetector:
         onset = min(slow[r]["first_late_at"] for r in ranks)
         return Finding(kind="slow", cls="comp-slow", ranks=ranks, comm=comm.id, seq=-1, op=op,
                        onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
+
+
+def split_by_subgroups(tl: Timeline, comm: Comm) -> bool:
+    """Whether another communicator of the job holds some of `comm`'s members and not the others: then
+    those ranks may arrive late together because they ran that group's collectives in between (their
+    communication, not their compute; seen: two ranks with subgroup all-reduces every step)."""
+    members = tl.expected_members(comm.id)
+    for c in list(tl.comms.values()):
+        if c is comm or c.job != comm.job:
+            continue
+        inter = members & c.members
+        if inter and inter != members:
+            return True
+    return False
 
 
 def pipelined(tl: Timeline, job: str) -> bool:

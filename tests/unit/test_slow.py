@@ -153,6 +153,19 @@ def test_ranks_late_together_are_one_finding_that_says_so():
     assert f.ranks == [5] and "together" not in f.evidence
 
 
+def test_ranks_late_together_that_share_a_subgroup_are_not_named_together():
+    # ranks 0 and 1 run a subgroup's all-reduces every step and reach the world's ~30 ms after the
+    # others: their communication, not their compute (the deadlock scenario's healthy part)
+    job, tl = SynthJob(world=4), Timeline()
+    job.announce(T0)
+    for r in (0, 1):
+        job._put(r, ev.CommInit(pid=job.pid[r], rank=r, ts_ns=job.ts(r, T0), backend="gloo", comm="job/gloo:1",
+                                group_rank=r, group_size=2))
+    job.feed(tl, T0)
+    job, tl, t, _ = run(seconds=20, late={0: 0.030, 1: 0.030}, noise=0.001, spikes=0, tl=tl, job=job)
+    assert comp_slow(held(Diagnoser(tl), t)) == []
+
+
 def test_random_lateness_that_costs_time_is_spread_not_a_culprit():
     # every collective, a random rank is 30 ms late: the others wait a third of the time, for anyone
     job, tl, t, _ = run(seconds=20, noise=0.001, spikes=1.0)
