@@ -252,13 +252,14 @@ def stopped_by_launcher(tl: Timeline, comm: Comm, ranks) -> List[int]:
 
 
 def crashed(tl: Timeline, comm: Comm, ranks) -> List[int]:
-    """Those of `ranks` that exited of themselves or of a signal not from their launcher (killed,
-    crashed, out of memory): a peer that exited will not come, whatever the threshold, and when the
-    launcher then stops the others at once (torchrun within ~0.1 s) there is no later moment to say it."""
+    """Those of `ranks` that died of a signal not from their launcher (killed, out of memory, a
+    segfault or abort): such a peer will not come, whatever the threshold, and when the launcher then
+    stops the others at once (torchrun within ~0.1 s) there is no later moment to say it. (A rank that
+    exits by itself is left to the thresholds: at a job's end ranks exit with ops still open.)"""
     out = []
     for r in ranks:
         rec = tl.rank_record(comm.job, r)
-        if rec is not None and rec.exited() and not rec.stopped_by_launcher:
+        if rec is not None and rec.exited() and rec.exit_signal and not rec.stopped_by_launcher:
             out.append(r)
     return sorted(out)
 

@@ -26,7 +26,8 @@ from ccld.timeline.timeline import Comm, Timeline
 from ccld.diagnose import waits
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.hang import (BUSY_FLOOR_S, EVIDENCE_RANKS, FAILED_GRACE_S, K, Activity, Blindness, _dead,
-                                _summary, _why_dead, _working, died_first, floor_for, job_stopped, rank_evidence)
+                                _summary, _why_dead, _working, crashed, died_first, floor_for, job_stopped,
+                                rank_evidence)
 
 FAILED_WINDOW_S = 60.0  # failed ops this recent make a fault (a restarted job's old failures fall out)
 
@@ -48,6 +49,10 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
     failed = _failed(tl, comm, now)
     if failed is not None:
         out.append(failed)
+    elif ranks:
+        gone = _crashed_peers(tl, comm, now)
+        if gone is not None:
+            return out + [gone]
     opened = comm.p2p.open
     for r in ranks:
         ops = opened.get(r)
@@ -73,6 +78,34 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
         if f is not None:
             out.append(f)
     return out
+
+
+def _crashed_peers(tl: Timeline, comm: Comm, now: float) -> Optional[Finding]:
+    """A rank killed (hang.crashed) while others had sends or receives open with it: named at once (the
+    launcher stops the others within ~0.1 s, before the library reports an error or any threshold)."""
+    gone = set(crashed(tl, comm, tl.expected_members(comm.id)))
+    if not gone:
+        return None
+    waiting: Dict[int, Any] = {}
+    for r, ops in comm.p2p.open.items():
+        if r in gone:
+            continue
+        for o in ops.values():
+            peer = tl.global_of(comm, o.peer)
+            if peer in gone and (r not in waiting or o.posted < waiting[r].posted):
+                waiting[r] = o
+    if not waiting:
+        return None
+    first = min(waiting.values(), key=lambda o: o.posted)
+    blamed = sorted({tl.global_of(comm, o.peer) for o in waiting.values()} & gone)
+    details = [rank_evidence(tl, comm, r, now) for r in blamed[:EVIDENCE_RANKS]]
+    evidence = {"reason": "exited", "waiting": sorted(waiting), "n_waiting": len(waiting), "ranks": details,
+                "summary": _summary(details, "exited"),
+                "p2p": {"waiter": first.rank, "op": first.op, "peer": tl.global_of(comm, first.peer),
+                        "p2p_seq": first.seq, "posted_at": round(first.posted, 6)},
+                "note": "killed while its peers waited in sends or receives with it"}
+    return Finding(kind="hang", cls="fault", ranks=blamed, comm=comm.id, seq=first.seq, op=first.op,
+                   onset_at=first.posted, detected_at=now, evidence=evidence, job=comm.job)
 
 
 def _failed(tl: Timeline, comm: Comm, now: float) -> Optional[Finding]:

@@ -191,6 +191,29 @@ def test_a_killed_stage_is_the_fault_its_neighbours_failed_with():
     assert d.find_slow(t + 2.5) == []
 
 
+def test_a_stage_killed_then_the_rest_stopped_before_any_error_is_named():
+    """torchrun stops the other stages ~0.1 s after stage 1 is SIGKILLed, before gloo fails any of their
+    ops: no error, no threshold reached, every rank gone. Stage 1 is named from its exit while its
+    neighbours' ops with it were open; a job stopped whole by its launcher is nobody's fault."""
+    for killed in (True, False):
+        job, tl, t = healthy()
+        n = STEPS + 1
+        job.post(1, "recv", 0, n, t)
+        job.post(2, "recv", 1, n, t)
+        job.post(0, "send", 1, n, t + 0.01)
+        if killed:
+            job.exit(1, t + 0.2, exact=True, signal=9)
+        for r in ((0, 2, 3) if killed else range(4)):
+            job.exit(r, t + 0.3, exact=True, signal=15, by_launcher=True)
+        job.feed(tl, t + 0.4)
+        found = Diagnoser(tl).find_hangs(t + 0.5)
+        if killed:
+            (f,) = found
+            assert (f.cls, f.ranks, f.evidence["reason"], f.evidence["waiting"]) == ("fault", [1], "exited", [0, 2])
+        else:
+            assert found == []
+
+
 @pytest.mark.parametrize("exact", [True, False])
 def test_of_two_stages_gone_the_one_killed_first_is_the_fault(exact):
     """As on a real 4-stage pipeline: stage 1 is SIGKILLed; stage 0's send to it fails. Stage 2 is
