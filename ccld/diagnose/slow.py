@@ -19,7 +19,8 @@ Ranks slowed together (a pipeline stage, a node): when as many ranks are late as
 median sits between them and nobody is late by it; each collective's late cluster is then judged
 against the clusters' own noise (not in a job that passes work along a pipeline, where every stage
 after a slow one arrives late with it, nor where a subgroup holds some of the ranks: they may be late
-together from its collectives), and the ranks named are one finding that says they were slow
+together from its collectives, nor where links are measured: the ranks after a slow link are late
+together, and the link localisers judge that), and the ranks named are one finding that says they were slow
 together. A window with someone late in most collectives, costing the others MIN_COST of the time,
 but no rank late in most of them, is `spread`: an informational finding (kind "info", no ranks).
 Evidence: the lag numbers, the noise and threshold, and what the late rank's process did: runqueue
@@ -177,7 +178,8 @@ class LatenessDetector:
         if len(window) < MIN_COLLS:
             return None
         members = sorted(tl.expected_members(comm.id))
-        j = judge(window, len(members), clusters=not pipelined(tl, comm.job) and not split_by_subgroups(tl, comm))
+        j = judge(window, len(members), clusters=not (pipelined(tl, comm.job) or split_by_subgroups(tl, comm)
+                                                      or has_link_metrics(tl, comm.job)))
         if not j.slow:
             return None if j.spread is None else spread_finding(comm.job, comm.id, j.spread, now, "arriving",
                                                                 "the collectives")
@@ -207,6 +209,15 @@ class LatenessDetector:
         onset = min(slow[r]["first_late_at"] for r in ranks)
         return Finding(kind="slow", cls="comp-slow", ranks=ranks, comm=comm.id, seq=-1, op=op,
                        onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
+
+
+def has_link_metrics(tl: Timeline, job: str) -> bool:
+    """Whether the job's links are measured (TCP connections, NCCL proxy progress). Then ranks late
+    together may be the ones downstream of a slow link (seen: a rate-limited link between two nodes
+    made the three ranks after it late at every all-reduce), which the link localisers judge
+    (comm-slow, mixed-slow); the cluster verdict is for sources without link metrics (tables, traces)."""
+    return any(k[0] == job for k in list(tl.links.series)) or any(
+        c.job == job and tl.progress.links_of(c.id) for c in list(tl.comms.values()))
 
 
 def split_by_subgroups(tl: Timeline, comm: Comm) -> bool:
