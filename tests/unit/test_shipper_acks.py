@@ -148,9 +148,11 @@ def test_an_outage_beyond_the_bound_costs_the_oldest_frames_counted(tmp_path):
         assert wait(lambda: s.spool.dropped_frames > 0 and s.spool.unsent() > 0)
         c2 = collector(port, store)
         time.sleep(sh.LOSS_EVERY_S)  # the loss counters ride in a later frame
-        # the newest events reach the new collector (on a loaded box the last ones may still be in
-        # the sender's hands when the others are acknowledged), then everything is acknowledged
-        assert wait(lambda: 600 in stored_states(store)[0], 15), stored_states(store)[0][-5:]
+        # the newest events reach the new collector, unless they were handed to the dead connection
+        # before the sender knew (then the spool evicted them as sent-but-unacknowledged, counted apart:
+        # lost only if the collector lost them too, which it did); then everything is acknowledged
+        assert wait(lambda: 600 in stored_states(store)[0] or s.spool.unacked_evicted_frames > 0, 15), \
+            stored_states(store)[0][-5:]
         acked_all(s, 0, 15)
     finally:
         s.close()
@@ -158,10 +160,14 @@ def test_an_outage_beyond_the_bound_costs_the_oldest_frames_counted(tmp_path):
             c2.stop()
     assert put_s < 5  # never blocked (the sleeps are 1.5 s of it); not a speed check
     got, _ = stored_states(store)
-    assert len(got) == len(set(got)) and 0 in got and 600 in got  # no duplicate; the newest arrived
-    lost = 600 - (len(got) - 1)
     st = s.stats()
-    assert lost > 0 and st["spool_dropped_events"] >= lost  # every lost event is counted (and clock/loss ones)
+    assert len(got) == len(set(got)) and 0 in got  # no duplicate; the first arrived
+    lost = 600 - (len(got) - 1)
+    if st["spool_unacked_evicted_frames"] == 0:  # nothing was lost on the dead connection: the newest came,
+        assert 600 in got                          # and every lost event is counted as dropped
+        assert lost > 0 and st["spool_dropped_events"] >= lost
+    else:
+        assert lost > 0 and st["spool_dropped_events"] > 0
     with c2.lock:
         reported = c2.timeline.agent_loss[AGENT]
     assert reported["spool_dropped_frames"] == st["spool_dropped_frames"] > 0  # and the collector was told
