@@ -260,7 +260,8 @@ class Worker:
             self.p.wait()
 
 
-def _no_gpu() -> Optional[str]:
+def nccl_gpu_missing() -> Optional[str]:
+    """Why NCCL cannot run on a GPU here (None: it can). Also the gpu test's skip reason."""
     try:
         import torch
     except ImportError:
@@ -273,7 +274,7 @@ def _no_gpu() -> Optional[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    why = _no_gpu()
+    why = nccl_gpu_missing()
     if why:
         print(f"ncclprof_overhead: {why}; nothing measured (needs a GPU)", file=sys.stderr)
         return 2

@@ -44,24 +44,14 @@ JOB_TIMEOUT_S = 240
 BYE_WAIT_S = 15  # after the job exits: its last datagrams are already queued here; this only bounds a miss
 NCCL_PATH_MAX = 255  # NCCL copies NCCL_PROFILER_PLUGIN into a 256-byte buffer (plugin_open.cc, MAX_STR_LEN)
 OUT_FILE = "ncclprof_gpu.json"
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from ncclprof_overhead import nccl_gpu_missing  # noqa: E402  (the bench's own check: one place)
 _saved = {}
-
-
-def _skip_reason():
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
-        return "this torch has no NCCL backend"
-    return None
 
 
 @pytest.fixture(scope="module")
 def plugin():
-    reason = _skip_reason()
+    reason = nccl_gpu_missing()
     if reason:
         pytest.skip(reason)
     d = tempfile.mkdtemp(prefix="ccld-np-gpu-")  # short: NCCL truncates the path at 255 bytes
