@@ -116,7 +116,7 @@ def _link_suspects(tl: Timeline, job: str, t_from: float, now: float) -> Tuple[L
     return suspects, win
 
 
-def _name(pairs: List[Tuple[int, int]]) -> Optional[Tuple[List[int], Optional[List[int]]]]:
+def name_pairs(pairs: List[Tuple[int, int]]) -> Optional[Tuple[List[int], Optional[List[int]]]]:
     """(ranks, link) for a set of suspect directed pairs: one unordered pair -> that link; several
     pairs sharing one rank -> that rank; None when they share none (a host-wide problem, no culprit)."""
     unordered = {tuple(sorted(p)) for p in pairs}
@@ -162,7 +162,7 @@ def find_link_faults(tl: Timeline, now: float, hangs: List[Finding]) -> List[Fin
         if h.cls == "not-entered" and all(waits.blocked(tl, h.job, r) is None for r in h.ranks):
             continue  # its culprits are in no operation (asleep, computing): no link holds them
         suspects, win = _link_suspects(tl, h.job, h.onset_at + HANG_SETTLE_S, now)
-        named = _name(suspects) if suspects else None
+        named = name_pairs(suspects) if suspects else None
         if named is None:
             continue
         ranks, link = named
@@ -440,7 +440,7 @@ def pair_baselines(tl: Timeline, job: str, began: float, exclude: Tuple[Tuple[fl
 
 class Localised(NamedTuple):
     suspects: List[Pair]                                # directed pairs out of line (may name nothing)
-    named: Optional[Tuple[List[int], Optional[List[int]]]]  # (ranks, link) as _name gives it, or None
+    named: Optional[Tuple[List[int], Optional[List[int]]]]  # (ranks, link) as name_pairs gives it, or None
     how: Optional[str]                                  # "retransmissions" | "rtt" | None
     window: Dict[Pair, PairSummary]                     # the pairs judged and compared, over [since, now]
 
@@ -479,11 +479,11 @@ def localise(tl: Timeline, job: str, members: AbstractSet[int], since: float, no
     judge = {p for p in win if p[0] in members and p[1] in members}
     by_loss, by_rtt = retrans_suspects(win, baselines, judge), rtt_suspects(win, baselines, judge)
     for how, cand in (("retransmissions", by_loss), ("rtt", by_rtt)):
-        got = _name(sorted(cand)) if cand else None
+        got = name_pairs(sorted(cand)) if cand else None
         if got is None and len(cand) > 1:
             head = chain_head(cand)
             if head is not None:  # the others are backed up behind it: named alone, listed first
-                return Localised([head] + sorted(p for p in cand if p != head), _name([head]), how, win)
+                return Localised([head] + sorted(p for p in cand if p != head), name_pairs([head]), how, win)
         if got is not None:
             return Localised(sorted(cand), got, how, win)
     return Localised(sorted(by_loss or by_rtt), None, None, win)
@@ -548,7 +548,7 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
             proxy: Dict[Pair, Dict[str, object]] = {}
             if named is None:  # no TCP link stands out (or there is none: NCCL over IB): NCCL's own progress
                 psus, proxy = nccllinks.proxy_suspects(tl, comm.id, since, now, st.episode or since)
-                pnamed = _name(psus) if psus else None
+                pnamed = name_pairs(psus) if psus else None
                 if pnamed is not None:
                     suspects, named, localised_by = psus, pnamed, "nccl-proxy"
             # Without a culprit, only a large slowdown that fills the whole window (the tail test)

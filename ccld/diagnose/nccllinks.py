@@ -24,8 +24,9 @@ Times: Unix seconds. Ranks in findings are global; progress is kept by group ran
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
+from ccld.diagnose import links as tcp  # its naming of suspect pairs (module object: links imports this one)
 from ccld.diagnose.findings import Finding
 from ccld.timeline.netprog import LinkProgress
 from ccld.timeline.timeline import Timeline
@@ -49,15 +50,14 @@ def _moved_after(links: Dict[Tuple[int, int], LinkProgress], since: float) -> in
     return sum(1 for lp in links.values() if lp.last_moved is not None and lp.last_moved > since)
 
 
-def _name(stalled: List[LinkProgress]) -> Optional[Tuple[List[int], Optional[List[int]]]]:
-    """(group ranks named, the link as [src, dst] or None) for the stalled links."""
-    if len(stalled) == 1:
-        lp = stalled[0]
-        return sorted((lp.src, lp.dst)), [lp.src, lp.dst]
-    common = set((stalled[0].src, stalled[0].dst)).intersection(*[{lp.src, lp.dst} for lp in stalled[1:]])
-    if len(common) == 1:
-        return sorted(common), None
-    return None
+def _global(tl: Timeline, comm_id: str) -> Callable[[int], int]:
+    """Group rank -> global rank on `comm_id` (itself where the communicator does not say)."""
+    comm = tl.comms.get(comm_id)
+
+    def to_global(g: int) -> int:
+        r = tl.global_of(comm, g) if comm is not None else None
+        return g if r is None else r
+    return to_global
 
 
 def _link_evidence(lp: LinkProgress, to_global, onset: float) -> Dict[str, object]:
@@ -78,16 +78,11 @@ def find_proxy_faults(tl: Timeline, now: float, hangs: List[Finding]) -> List[Fi
             continue
         since = h.onset_at + SETTLE_S
         stalled = _stalled(links, since)
-        named = _name(stalled) if stalled else None
+        to_global = _global(tl, h.comm)
+        named = tcp.name_pairs([(to_global(lp.src), to_global(lp.dst)) for lp in stalled]) if stalled else None
         if named is None:
             continue
-        comm = tl.comms.get(h.comm)
-
-        def to_global(g: int) -> int:
-            r = tl.global_of(comm, g) if comm is not None else None
-            return g if r is None else r
-        ranks = sorted(to_global(g) for g in named[0])
-        link = [to_global(g) for g in named[1]] if named[1] is not None else None
+        ranks, link = named
         worst = max(stalled, key=lambda lp: lp.tx_in_flight)
         what = (f"link {to_global(worst.src)}->{to_global(worst.dst)}" if link is not None
                 else f"links of rank {ranks[0]}")
@@ -118,11 +113,7 @@ def proxy_suspects(tl: Timeline, comm_id: str, since: float, now: float,
         b = base.get(key)
         if w.steps >= MIN_STEPS and b is not None and b.steps >= MIN_STEPS and b.net_wait_s > 0:
             ratios[key] = (w.net_wait_s / w.steps) / (b.net_wait_s / b.steps)
-    comm = tl.comms.get(comm_id)
-
-    def g(r: int) -> int:
-        x = tl.global_of(comm, r) if comm is not None else None
-        return r if x is None else x
+    g = _global(tl, comm_id)
     evidence = {(g(k[0]), g(k[1])): {"wait_per_step_us": round(win[k].net_wait_s / win[k].steps * 1e6, 1),
                                      "baseline_wait_per_step_us": round(base[k].net_wait_s / base[k].steps * 1e6, 1),
                                      "x": round(x, 2), "bytes": win[k].nbytes, "steps": win[k].steps}
