@@ -211,12 +211,13 @@ class NcclTranslator:
         """Every record of one drain, in ring order."""
         out = Builder(self.groups)
         self._out = out
-        tgid = records.view(rows[:, :records.HEADER_SIZE].copy(), records.HDR_DTYPE)["tgid"].astype(np.int64)
+        hdr = records.view(rows[:, :records.HEADER_SIZE].copy(), records.HDR_DTYPE)
+        tgid = hdr["tgid"].astype(np.int64)
         known = np.isin(tgid, self._pids)
         if not known.all():  # processes we were told to forget; their probes are being detached
             rows, kinds = rows[known], kinds[known]
         if self._plugin_since:
-            ts = records.view(rows[:, :records.HEADER_SIZE].copy(), records.HDR_DTYPE)["ts_ns"].astype(np.int64)
+            ts = hdr["ts_ns"].astype(np.int64)[known]
             tgid = tgid[known]
             dp = np.array(sorted(self._plugin_since), np.int64)  # a few pids: per process, not per record
             ds = np.array([self._plugin_since[p] for p in dp.tolist()], np.int64)
