@@ -3,8 +3,9 @@
 The same TraceModel (ccld.export.model) drives both, so the content is the same: a process per
 traced rank (pid), a thread per track (`calls`, `worker`, `p2p`, `state`, `findings`, `GPU d stream s`,
 and their overlap lanes), pseudo-processes `communicators` and `ccld`; complete slices (ph X), instants (i),
-counters (C: a rank's `link S->D MiB/s`, `RTT ms`, `retrans` and `runqueue wait %`, named so in its
-process; the agents' losses in `ccld`), flows (s, t, f) joining one collective across ranks, and
+counters (C: a rank's `link S->D MiB/s`, `RTT ms`, `retrans`, `runqueue wait %` and NCCL's
+`nccl:H R->P MiB/s`, `steps in flight`, `net wait %`, named so in its process; the agents' losses
+in `ccld`), flows (s, t, f) joining one collective across ranks, and
 flows (s, f; name "kernel") from a rank's collective to the NCCL kernel that ran it.
 Times: "ts"/"dur" are microseconds with three decimals (ns precision), in the collector's Unix
 timebase (see model.TIMEBASE; also written under "otherData").

@@ -1,7 +1,8 @@
 """Every event kind but the per-collective ones, as the model's input loop meets them: process and
 communicator facts (rank, comm), p2p calls, /proc states and exits, the agents' loss counters, the
-network layer's link and scheduler counters (handed to netcounters.NetCounters), and CUPTI's GPU
-records and capture status (handed to gpu.py).
+network layer's link and scheduler counters (handed to netcounters.NetCounters), NCCL's proxy
+progress per link (NetProgress, handed to netprog.NcclProgress), and CUPTI's GPU records and capture
+status (handed to gpu.py).
 
 Times: each event's ts_ns plus its agent's clock offset `off` = Unix ns (model.TIMEBASE). A kind newer
 than this exporter is counted (stats skipped_events); a malformed event raises KeyError/TypeError,
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 ABNORMAL_STATES = {"T": "stopped", "t": "tracing stop", "Z": "zombie", "X": "dead", "D": "disk sleep"}
 RARE_KINDS = frozenset(("rank", "comm", "p2p", "proc", "rank_exit", "loss", "hello", "probe", "link", "sched",
-                        "gpu_kernel", "gpu_memop", "gpu_loss", "compute"))
+                        "gpu_kernel", "gpu_memop", "gpu_loss", "compute", "net_progress"))
 
 
 def rare(m: "TraceModel", agent: str, node: str, procs: Dict[int, Proc], k: str, e: dict, off: int) -> None:
@@ -44,6 +45,9 @@ def rare(m: "TraceModel", agent: str, node: str, procs: Dict[int, Proc], k: str,
     elif k == "link":
         p = procs.get(e["pid"]) or m.new_proc(node, e["pid"], e["rank"])
         m.net.on_link(node, p, e, ts)
+    elif k == "net_progress":
+        p = procs.get(e["pid"]) or m.new_proc(node, e["pid"], e["rank"])
+        m.nccl.on_progress(p, e, ts)
     elif k == "sched":
         p = procs.get(e["pid"]) or m.new_proc(node, e["pid"], e["rank"])
         if not p.skip:
@@ -66,6 +70,7 @@ def rare(m: "TraceModel", agent: str, node: str, procs: Dict[int, Proc], k: str,
         p = procs.get(e["pid"])
         m.colls.note_comm(e["comm"], e.get("backend", ""), e["group_size"], e["rank"],
                              p.job if p is not None else "")
+        m.nccl.note_comm(e["comm"], e.get("group_rank", -1), e["rank"])  # names NetProgress peers
     elif k == "p2p":
         p = procs.get(e["pid"]) or m.new_proc(node, e["pid"], e["rank"])
         if not p.skip and m.t_from <= ts <= m.t_to:

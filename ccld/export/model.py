@@ -5,15 +5,16 @@ What the trace holds. A process track per traced process, "rank R (node, pid P)"
 known, ok), `worker` (WorkStart -> WorkEnd, the library's own thread), `p2p` (send/recv instants),
 `state` (exit and stopped/zombie/disk-wait instants), `findings` (marks.py), `GPU d stream s` (a slice
 per kernel and memcpy/memset from CUPTI, NCCL kernels joined to their collective: gpu.py), and counters: `link
-R->D MiB/s`, `RTT ms` and `retrans` per peer rank D, and `rank R runqueue wait %` (netcounters.py). A
-`communicators` group has one track per communicator (collectives.py), and a `ccld` group the
-agents' loss counters and clock offsets.
+R->D MiB/s`, `RTT ms` and `retrans` per peer rank D, `rank R runqueue wait %` (netcounters.py), and
+NCCL's proxy progress per communicator, peer and direction, `nccl:H R->P MiB/s`, `steps in flight`
+and `net wait %` (netprog.py). A `communicators` group has one track per communicator
+(collectives.py), and a `ccld` group the agents' loss counters and clock offsets.
 Times: Unix ns in the collector's timebase: an event's ts_ns (its node's CLOCK_MONOTONIC) plus the
 offset (wall - mono) of its agent's latest ClockSample, kept in a timeline.clock.ClockTable, the
 same rule as the live timeline (events before an agent's first sample wait for it).
 Memory: frames are processed in store order and only bounded state is held (see the bounds in
-collectives.py and netcounters.py, and REORDER_S/REORDER_MAX for instants and counters, which are
-sorted within that window of recorded time), so memory does not grow with the store.
+collectives.py, netcounters.py and netprog.py, and REORDER_S/REORDER_MAX for instants and counters,
+which are sorted within that window of recorded time), so memory does not grow with the store.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ccld import wire as ev
 from ccld.export import clocktrack, colblocks, facts, gpu, marks
 from ccld.export.collectives import MAX_OPEN, Collectives, GROUP_WAIT_S
 from ccld.export.netcounters import NetCounters
+from ccld.export.netprog import NcclProgress
 from ccld.export.tracks import Lanes, Proc, Track
 
 _PID_MAX = 1 << 22         # Linux's largest pid_max: the trace's own pids for clashes go above it
@@ -57,6 +59,7 @@ class TraceModel:
         self.by_rank: Dict[Tuple[str, int], List[Tuple[int, Proc]]] = {}  # (job, rank) -> [(first ts, proc)]
         self.colls = Collectives(self)
         self.net = NetCounters(self)
+        self.nccl = NcclProgress(self)
         self.counter_tracks: Dict[Tuple[str, str], Track] = {}
         self.heap: List[tuple] = []
         self.heap_n = 0
@@ -301,6 +304,7 @@ class TraceModel:
 
     def housekeeping(self, final: bool = False) -> None:
         self.net.due((1 << 62) if final else self.max_ts)
+        self.nccl.due((1 << 62) if final else self.max_ts)
         heap = self.heap
         if heap:
             horizon = (1 << 62) if final else self.max_ts - int(REORDER_S * 1e9)

@@ -4,8 +4,9 @@ This is the entry the CLI and the collectors use (through ccld.export.export_tra
 stream the store's frames through a model.TraceModel into a sink, and say what was written. The pieces:
 tracks.py (Track, Lanes, Proc), model.py (events to tracks; what the trace holds), collectives.py
 (slices and flows), facts.py (the other event kinds), gpu.py (CUPTI kernels and memops on stream
-tracks, joined to collectives), netcounters.py (link and runqueue counters),
-marks.py (findings), protobuf.py (the Perfetto sink) and chrome.py (the Chrome JSON sink).
+tracks, joined to collectives), netcounters.py (link and runqueue counters), netprog.py (NCCL's
+proxy progress per link), marks.py (findings), protobuf.py (the Perfetto sink) and chrome.py (the
+Chrome JSON sink).
 Times: Unix ns in the collector's timebase (TIMEBASE); the trace opens with a clock snapshot
 (REALTIME = BOOTTIME) so viewers can show wall-clock times.
 Caveat: the output is written to OUT.tmp and renamed at the end, so a failed export leaves nothing.
