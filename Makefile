@@ -18,15 +18,17 @@ $(VENV)/.ccld-ready: pyproject.toml setup.py scripts/setup.sh ccld/export/_hotpa
 demo: setup
 	$(VENV)/bin/ccld demo --fault hang
 
-# Layering kept honest: which packages may import which (import-linter), a linter over ccld/ (ruff)
-# and the type checker over the packages whose annotations are checked (mypy). Any finding fails.
+# Layering kept honest: which packages may import which (import-linter), a linter over ccld/ (ruff),
+# the type checker over the packages whose annotations are checked (mypy) and the length of every
+# module (scripts/module_lines.py: at most 450 lines, but for the few it lists). Any finding fails.
 check: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check ccld
 	$(VENV)/bin/mypy
+	$(VENV)/bin/python scripts/module_lines.py
 
 test: setup
-	CCLD_REQUIRE_TIERS=$(REQUIRE) $(VENV)/bin/python -m pytest -m "unit or bpf or e2e" -rs -p no:cacheprovider tests
+	CCLD_REQUIRE_TIERS=$(REQUIRE) $(VENV)/bin/python -m pytest -m "unit or bpf or e2e" -rs -p no:cacheprovider --durations=40 tests
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest -m unit -q tests

@@ -128,7 +128,7 @@ def drain_records(ncoll: int):
 
 
 def per_event(sizes=(24, 200, 2000)) -> dict:
-    from ccld.bpf import gloo
+    from ccld.bpf.gloo_translator import GlooTranslator
     from ccld.bpf.rows import Rows
     from ccld.tracer import frames
     from ccld.tracer.nodeclock import NodeClock
@@ -136,7 +136,7 @@ def per_event(sizes=(24, 200, 2000)) -> dict:
     for n in sizes:
         setup, (rows, kinds), _ = drain_records(n // 2)
         items: list = []
-        t = gloo.GlooTranslator(items.append)
+        t = GlooTranslator(items.append)
         for p in (100, 200):
             t.add_process(p, p // 100, "job")
             t.tags_readable(p, True)
@@ -173,9 +173,9 @@ def old_path(n: int = 200) -> float:
     for p in (100, 200):
         t.add_process(p, p // 100, "job")
         t.tags_readable(p, True)
-    from ccld.bpf import gloo
+    from ccld.bpf.gloo_records import KINDS
     for row in setup[0]:
-        rec = gloo.KINDS.record(row)
+        rec = KINDS.record(row)
         t.feed(rec.hdr.kind, rec)
     reps = 20
     c0 = time.process_time()

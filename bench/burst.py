@@ -12,7 +12,7 @@ Tracing: the real Agent with every probe family, in a process of its own (bench/
 agent says it is attached), shipping over ZeroMQ to `ccld collector --store` in another process.
 After the job: the agent gets until its shipping stops growing the store (CATCHUP_S at most), then
 stops (its last loss counters ship with its last frame); the collector stops and closes the store.
-Then the store is read back with ccld's own reader (ccld/store.py read_store + ingest.py,
+Then the store is read back with ccld's own reader (ccld/store/reader.py read_store + ingest.py,
 into a fresh Timeline): per job, collectives the job made vs collectives whose enter and end both
 reached the timeline (Comm.completed: every member's enter and end); enters and ends in total
 against calls in total; every loss counter the agent shipped (ring buffer, bad records, translator
@@ -431,7 +431,7 @@ def write_results(f: Dict[str, Any], r: Dict[str, Any], a: argparse.Namespace, c
 all_reduce of {a.elems} float32 in a loop, no compute and no sleep, {pace}, for {a.seconds:g} s, counting
 its calls on its own clock. The agent (every probe family) in a process of its own, attached before the
 first call, shipping over ZeroMQ to `ccld collector --store` in another; afterwards the store read back
-with ccld's reader (ccld/store.py, timeline/ingest.py) into a fresh timeline.
+with ccld's reader (ccld/store/reader.py, timeline/ingest.py) into a fresh timeline.
 
 {chr(10).join(table(f, r, [f"job {i}" for i in range(len(r["jobs"]))]))}
 

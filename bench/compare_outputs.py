@@ -129,7 +129,7 @@ def _last_line(text: str) -> str:
 
 def find_stores(top: str) -> List[str]:
     """Every ccld store at or below `top`: a directory whose store.json says format "ccld-store"
-    (ccld/store.py, read_meta; the commands themselves check the rest)."""
+    (ccld/store/layout.py, read_meta; the commands themselves check the rest)."""
     out = []
     for d, subdirs, files in os.walk(top):
         subdirs.sort()

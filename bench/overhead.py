@@ -155,7 +155,8 @@ def rss_mib() -> float:
 
 def child(endpoint: str, pid: int, probes: str, ranks: int) -> None:
     """Attach, say "ready", measure between "go" and "stop" on stdin, print the figures as JSON."""
-    from ccld.tracer.agent import FAMILY_NAMES, Agent, parse_probes
+    from ccld.tracer.agent import Agent
+    from ccld.tracer.families import FAMILY_NAMES, parse_probes
     names = FAMILY_NAMES if probes == "all" else tuple(parse_probes(probes))
     t_launch = time.monotonic()
     agent = Agent(endpoint, pids=[pid], say=lambda s: print(s, file=sys.stderr), probes=names)

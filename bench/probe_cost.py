@@ -125,7 +125,8 @@ for line in sys.stdin:
 
 def bench_gloo(rounds: int, n: int = 3000) -> Dict[str, float]:
     """ns per all_reduce (world size 1, gloo) with the gloo family attached and tracing, minus without."""
-    from ccld.bpf.gloo import GlooFamily, GlooTranslator
+    from ccld.bpf.gloo import GlooFamily
+    from ccld.bpf.gloo_translator import GlooTranslator
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from conftest import free_port
     child = subprocess.Popen([sys.executable, "-c", GLOO_CHILD, str(free_port())], stdin=subprocess.PIPE,

@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ccld import wire as ev  # noqa: E402
 from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
 from ccld import store as st  # noqa: E402
+from ccld.store.layout import RECORD_HEADER, RECORD_MAGIC, STORE_VERSION, segment_name  # noqa: E402
+from ccld.store.writer import FLUSH_INTERVAL_S  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
@@ -109,15 +111,15 @@ def corruption_sweep(root: str, trials: int, seed: int = 8) -> Dict:
         for i in range(40):
             f = agent_frame(i, i % 5) + b"p" * (i * 7 % 50)
             if i in (9, 27):  # frames that carry the record marker: false resync candidates
-                f = b"\x00" + st.RECORD_MAGIC + b"\x00\x00\x00\x03" + b"\x00" * 32 + f
+                f = b"\x00" + RECORD_MAGIC + b"\x00\x00\x00\x03" + b"\x00" * 32 + f
             frames.append(f)
             w.append(f, 500.0 + i)
         w.close()
-        seg = os.path.join(store, st.segment_name(1))
+        seg = os.path.join(store, segment_name(1))
         raw = open(seg, "rb").read()
         spans, off = [], 0
         for f in frames:
-            spans.append((off, off + st.RECORD_HEADER.size + len(f)))
+            spans.append((off, off + RECORD_HEADER.size + len(f)))
             off = spans[-1][1]
         rng = random.Random(seed)
         out = dict(trials=trials, by_kind={}, untouched=0, recovered_untouched=0, touched=0,
@@ -180,7 +182,7 @@ def corrupt(rng: random.Random, raw: bytes, spans):
 
 
 def report(args, modes: Dict[str, Dict], paced: Dict[str, Dict], decode: Dict[str, float], sweep: Dict) -> str:
-    lines = [f"### Store (format version {st.STORE_VERSION}): write throughput and corruption recovery", "",
+    lines = [f"### Store (format version {STORE_VERSION}): write throughput and corruption recovery", "",
              f"`{args.cmdline}` on {os.cpu_count()} CPUs (shared), store in `{args.dir}`, "
              f"{time.strftime('%Y-%m-%d')}; one writer thread, real agent frames (1 or 40 events).", "",
              f"Flat out (StoreWriter.append in a loop for {args.seconds:g} s, close included; segments rotate "
@@ -192,7 +194,7 @@ def report(args, modes: Dict[str, Dict], paced: Dict[str, Dict], decode: Dict[st
         lines.append(f"| {name} | {r['frame_bytes']} | {r['fps']:,.0f} | {r['mbps']:.1f} | "
                      f"{r['fps'] / modes[r['base']]['fps']:.2f} | {r['spread']:.2f} | {r['fsyncs']} | "
                      f"{r['fsync_max_ms']:.1f} |")
-    lines += ["", f"Paced, 3 s each (default writer: fsync every {st.FLUSH_INTERVAL_S} s; maybe_flush every ~5 ms "
+    lines += ["", f"Paced, 3 s each (default writer: fsync every {FLUSH_INTERVAL_S} s; maybe_flush every ~5 ms "
               "as the collector's ingest loop does); the fsync time is what the ingest thread stalls:", "",
               "| rate | MB/s | fsyncs | mean fsync ms | max fsync ms | time in fsync |",
               "|---|---:|---:|---:|---:|---:|"]
@@ -230,7 +232,7 @@ def main() -> int:
         size = sum(map(len, frames)) // len(frames)
         base = f"no fsync, {label}"
         kinds = ((base, dict(fsync=False)),
-                 (f"fsync every {st.FLUSH_INTERVAL_S} s (default), {label}", dict(fsync=True)),
+                 (f"fsync every {FLUSH_INTERVAL_S} s (default), {label}", dict(fsync=True)),
                  (f"fsync every append, {label}", dict(fsync=True, flush_interval_s=0.0)))
         runs: Dict[str, List[Dict]] = {name: [] for name, _ in kinds}
         for _ in range(args.rounds):  # interleaved, so a noisy neighbour hits every mode alike

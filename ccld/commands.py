@@ -62,11 +62,12 @@ def cmd_collector(args) -> int:
 
 def cmd_agent(args) -> int:
     if args.ebpf:
-        from ccld.tracer.agent import FAMILY_NAMES, _families, parse_probes
-        for fam, _ in _families(lambda e: None, parse_probes(args.probes) if args.probes else FAMILY_NAMES):
+        from ccld.tracer.families import FAMILY_NAMES, build_families, parse_probes
+        for fam, _ in build_families(lambda e: None, parse_probes(args.probes) if args.probes else FAMILY_NAMES):
             print(fam.program_text())
         return 0
-    from ccld.tracer.agent import FAMILY_NAMES, Agent, parse_probes
+    from ccld.tracer.agent import Agent
+    from ccld.tracer.families import FAMILY_NAMES, parse_probes
     probes = parse_probes(args.probes) if args.probes else FAMILY_NAMES
     for pid in args.pid:
         try:
@@ -78,7 +79,7 @@ def cmd_agent(args) -> int:
                             "with CAP_SYS_PTRACE)") from None
     if args.spool_max_mb <= 0:
         raise CcldError(f"--spool-max-mb must be positive, got {args.spool_max_mb:g}")
-    from ccld.tracer.spool import default_dir
+    from ccld.tracer.spool_dir import default_dir
     node = args.node or socket.gethostname()
     spool = None if args.spool == "memory" else (args.spool or default_dir(node))
     agent = Agent(args.collector, pids=args.pid, discover_all=args.discover, use_bpf=not args.no_bpf, say=_say,

@@ -149,7 +149,7 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
     programs = progcache.preload(tuple(progcache.PROGRAMS)) if use_bpf and progcache.bpf_available() is None else {}
     pre = None
     if use_bpf and len(programs) < len(progcache.PROGRAMS):
-        from ccld.tracer.agent import load_families
+        from ccld.tracer.families import load_families
         pre = load_families(use_bpf=use_bpf, programs=programs)
     interrupted = []
 
@@ -182,7 +182,7 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
         raise
     try:
         if pre is None:  # the cached programs are in the kernel: now their families and translators
-            from ccld.tracer.agent import load_families
+            from ccld.tracer.families import load_families
             pre = load_families(use_bpf=use_bpf, programs=programs)
             pre.relay = relay
             for _, tr in pre.families:

@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(items):
 
 def bpf_skip_reason():
     """None when this process can load eBPF programs, else why not."""
-    from ccld.bpf.loader import bpf_available
+    from ccld.bpf.progcache import bpf_available
     problem = bpf_available()
     return None if problem is None else f"{problem} ({problem.hint})"
 

@@ -73,7 +73,7 @@
  * versions). The smallest buffer c10d builds for a work is the per-rank tensor's bytes for every op
  * whose ranks must agree on it (allreduce: the tensor; allgather/gather/scatter: input n, output
  * world*n), so ranks can be compared at one (communicator, seq). It arrives on the worker thread,
- * after GLOO_WORK_INIT: the translator holds the enter until it comes (gloo.py, HOLD_MS).
+ * after GLOO_WORK_INIT: the translator holds the enter until it comes (gloo_translator.py, HOLD_MS).
  *
  * Maps: events (ringbuf, fixed-size records), lost (per-CPU loss counter), traced (tgid -> that
  * process's counter offset + 1, 1 = unknown), api_inflight (LRU tid -> last API entry, so dead threads

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ccld import wire as ev
-from ccld.bpf.loader import KernelFamily, set_bit
+from ccld.bpf.kernel_family import KernelFamily, set_bit
 from ccld.bpf.progcache import NET_BTF
 from ccld.errors import EnvironmentProblem
 

@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ccld import wire as ev
-from ccld.bpf.loader import Attachment, KernelFamily, set_bit
+from ccld.bpf.kernel_family import KernelFamily, set_bit
+from ccld.bpf.loader import Attachment
 from ccld.errors import EnvironmentProblem
 
 MAX_PROCS = 4096  # = CCLD_MAX_PROCS: slots in the per-CPU arrays

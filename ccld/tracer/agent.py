@@ -1,4 +1,4 @@
-"""The node agent: discovers a job's ranks, attaches probe families to them, and ships events.
+"""The node agent: discovers a job's ranks, attaches probe families (families.py) to them, and ships events.
 
 One thread does the work, in a loop: drain every family's ring buffer (POLL_MS), and every
 SCAN_INTERVAL_MS look at /proc for ranks that appeared (attach) or went away (detach, forget).
@@ -25,8 +25,8 @@ from ccld import __version__
 from ccld import wire as ev
 from ccld.errors import CcldError, EnvironmentProblem
 from ccld.tracer import discover, ibcounters, procstate
+from ccld.tracer.families import FAMILY_NAMES, Preloaded, load_families
 from ccld.tracer.nodeclock import NodeClock
-from ccld.tracer.relay import Relay
 from ccld.tracer.shipper import Shipper
 from ccld.tracer.sinks import RankSinks
 from ccld.tracer.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_BYTES, Spool
@@ -63,82 +63,6 @@ class Rank:
     maps_vsize: int = -1         # the address space's size when its maps were last read for libraries
     maps_read_at: float = 0.0
     ppid: int = 0                # its parent (the launcher, under torchrun): a signal from it is a stop
-
-
-from ccld.bpf.progcache import PROGRAMS  # noqa: E402
-FAMILY_NAMES = tuple(PROGRAMS)  # every probe family this build has, in load order
-
-
-def _families(emit: Callable[[ev.Event], None], names: Sequence[str] = FAMILY_NAMES):
-    """(family, translator) pairs for the probe families named (default: all)."""
-    from ccld.bpf.gloo import GlooFamily, GlooTranslator
-    from ccld.bpf.nccl import NcclFamily, NcclTranslator
-    from ccld.bpf.net import NetFamily, NetTranslator
-    from ccld.bpf.sched import SchedFamily, SchedTranslator
-    from ccld.bpf.rdma import RdmaFamily, RdmaTranslator
-    builders = {"gloo": (GlooFamily, GlooTranslator), "nccl": (NcclFamily, NcclTranslator),
-                "net": (NetFamily, NetTranslator), "sched": (SchedFamily, SchedTranslator),
-                "rdma": (RdmaFamily, RdmaTranslator)}
-    out = []
-    for name in FAMILY_NAMES:
-        if name in names:
-            fam_cls, tr_cls = builders[name]
-            tr = tr_cls(emit)
-            out.append((fam_cls(tr), tr))
-    return out
-
-
-@dataclass
-class Preloaded:
-    """Probe families loaded before their agent exists (load_families)."""
-    relay: Relay
-    families: List[Tuple[object, object]]
-    sources: List[str]
-    problem: Optional[EnvironmentProblem]
-    warnings: List[str] = field(default_factory=list)
-
-
-def load_families(probes: Sequence[str] = FAMILY_NAMES, use_bpf: bool = True,
-                  programs: Optional[Dict[str, object]] = None) -> Preloaded:
-    """Compile (or take from the compiled-program cache) and load the probe families named;
-    `programs` holds those progcache.preload() already put in the kernel. Says nothing; the agent
-    that adopts them says what is on (Agent(preloaded=...))."""
-    programs = programs or {}
-    relay = Relay()
-    pre = Preloaded(relay, [], ["proc"], None)
-    if not use_bpf:
-        return pre
-    from ccld.bpf.loader import bpf_available
-    pre.problem = bpf_available()
-    if pre.problem is not None:
-        return pre
-    failed = []
-    for fam, tr in _families(relay, probes):
-        try:
-            fam.load(programs.pop(fam.NAME, None))
-        except EnvironmentProblem as e:
-            failed.append((fam.NAME, e))
-            continue
-        pre.families.append((fam, tr))
-        pre.sources.append(f"{fam.NAME} (eBPF)")
-    for prog in programs.values():  # preloaded for a family not asked for
-        prog.cleanup()
-    if failed and not pre.families:
-        pre.problem = failed[0][1]  # nothing loads: the environment, not one family
-    else:
-        for name, e in failed:  # one family that cannot load costs only its own events
-            pre.warnings.append(f"ccld: warning: {name} probes are off: {e} (fix: {e.hint})")
-    return pre
-
-
-def parse_probes(text: str) -> List[str]:
-    """`--probes gloo,net` -> ["gloo", "net"]; an unknown name is an error that lists the known ones."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in FAMILY_NAMES]
-    if bad or not names:
-        raise CcldError(f"--probes: unknown probe famil{'ies' if len(bad) > 1 else 'y'} {', '.join(bad) or '(none)'}"
-                        f"; choose from {','.join(FAMILY_NAMES)}")
-    return names
 
 
 class Agent:
@@ -365,7 +289,8 @@ class Agent:
         pending = [fam for fam, _ in self.families if fam.NAME not in r.attached and fam.NAME not in r.failed]
         if not pending:
             return
-        from ccld.bpf.loader import KernelFamily, read_maps
+        from ccld.bpf.kernel_family import KernelFamily
+        from ccld.bpf.loader import read_maps
         maps = None
         if any(not isinstance(f, KernelFamily) for f in pending):
             # One read of the maps for every library family, and only when the address space changed

@@ -1,19 +1,17 @@
 """The agent's spool: every frame the shipper makes waits here until the collector acknowledges it.
 
 A bounded FIFO of encoded frames, on disk (a directory of segment files: spool_dir.py, records in
-them: spool_records.py) or, with no directory or after a disk error, in memory (a smaller bound). The
-shipper's sender thread is its only user, never the probe path: frames are appended in batch order,
-sent from a cursor, released once acknowledged (or once sent, while the collector does not
-acknowledge), and the cursor goes back to the oldest unacknowledged frame to replay them after a
-collector restart.
+them: spool_records.py, held as segments: spool_segment.py) or, with no directory or after a disk
+error, in memory (a smaller bound). The shipper's sender thread is its only user, never the probe
+path: frames are appended in batch order, sent from a cursor, released once acknowledged (or once
+sent, while the collector does not acknowledge), and the cursor goes back to the oldest
+unacknowledged frame to replay them after a collector restart.
 Bounds: max_bytes of segment files on disk (DEFAULT_MAX_BYTES), MEMORY_BYTES in memory. Overflow
 evicts the oldest segment whole (1/SEGMENTS_PER_BOUND of the bound): its frames that were never sent
 are lost and counted (dropped_frames, dropped_events); those sent but not yet acknowledged are
 counted apart (unacked_evicted_frames: lost only if the collector lost them too).
 Start: an existing spool is read back in order, damage said and counted (spool_records.py); frames
-spooled for another collector (spool.json) are discarded, said and counted. Every start writes a new
-segment, so a crash loop leaves many: at most two segment files are open at a time (the one being
-written, the one being read back), the others only by name.
+spooled for another collector (spool.json) are discarded, said and counted.
 Caveat: a disk error (full, read-only, removed) switches to memory for the rest of the run, said once;
 frames already on disk are still sent from there, and while they are the oldest, a frame that finds
 memory full is dropped (evicting them would free no memory). A frame that cannot be read back from
@@ -22,18 +20,14 @@ an ack.
 """
 from __future__ import annotations
 
-import array
-import bisect
-import collections
 import errno
 import logging
 import os
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ccld.tracer import spool_records as records
-from ccld.tracer.spool_dir import META_FILE, SpoolDir, default_dir
-
-__all__ = ["DEFAULT_MAX_BYTES", "MEMORY_BYTES", "Spool", "default_dir"]  # default_dir: re-exported, for `ccld agent`
+from ccld.tracer.spool_dir import META_FILE, SpoolDir
+from ccld.tracer.spool_segment import Segment, Segments
 
 log = logging.getLogger("ccld.spool")
 
@@ -42,44 +36,8 @@ MEMORY_BYTES = 32 * 1024 * 1024        # in memory: the size of the shipper's ev
 SEGMENTS_PER_BOUND = 16                # overflow evicts one segment: 1/16 of the bound at a time
 MAX_SEGMENT_BYTES = 16 * 1024 * 1024   # ... and never more than this at once
 MIN_SEGMENT_BYTES = 4096
-TAIL_CACHE_FRAMES = 256                # frames just written, kept to be sent without reading them back
-TAIL_CACHE_BYTES = 8 * 1024 * 1024
 PROBLEMS_SAID = 8                      # damaged regions said one by one at start; the rest are counted
 LOST_BATCH = 0                         # batches count from 1: 0 marks a frame that could not be read back
-
-
-class _Seg:
-    """One segment: frames at global positions [start, start + len). On disk (path, offsets of the frame
-    bytes; fd only while it is written or read back) or in memory (data). Agents come in runs:
-    run_starts[k] is the first local index of run k."""
-    __slots__ = ("no", "path", "fd", "start", "offsets", "lengths", "batches", "events", "run_starts",
-                 "run_agents", "data", "size")
-
-    def __init__(self, no: int, start: int, path: Optional[str] = None, fd: Optional[int] = None):
-        self.no, self.start, self.path, self.fd = no, start, path, fd
-        self.offsets = array.array("Q")
-        self.lengths = array.array("I")
-        self.batches = array.array("Q")
-        self.events = array.array("I")
-        self.run_starts: List[int] = []
-        self.run_agents: List[int] = []
-        self.data: Optional[List[bytes]] = None if path else []
-        self.size = 0  # bytes it takes: file bytes on disk, frame bytes in memory
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def add(self, agent: int, batch: int, events: int, offset: int, length: int) -> None:
-        if not self.run_agents or self.run_agents[-1] != agent:
-            self.run_starts.append(len(self.batches))
-            self.run_agents.append(agent)
-        self.offsets.append(offset)
-        self.lengths.append(length)
-        self.batches.append(batch)
-        self.events.append(events)
-
-    def agent_at(self, i: int) -> int:
-        return self.run_agents[bisect.bisect_right(self.run_starts, i) - 1]
 
 
 class Spool:
@@ -97,18 +55,11 @@ class Spool:
         self.send = 0         # ... of the next frame to send
         self.end = 0          # ... after the newest
         self._high_sent = 0   # positions below it were sent before: sending them again is a replay
-        self._segs: Deque[_Seg] = collections.deque()
-        self._cur: Optional[_Seg] = None  # the segment being appended to
-        self._next_no = 1
+        self._segs = Segments(self._agent_index)  # the frames held, on disk or in memory
         self._agents: List[str] = []
         self._agent_no: Dict[str, int] = {}
         self._acked: Dict[int, int] = {}  # agent index -> every batch <= this is acknowledged
-        self._tail: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()
-        self._tail_bytes = 0
         self._dir: Optional[SpoolDir] = None
-        self._reading: Optional[_Seg] = None  # the disk segment, other than _cur, open to be read back
-        self.disk_bytes = 0
-        self.mem_bytes = 0
         # counters (cumulative)
         self.dropped_frames = 0           # never sent, evicted (overflow), unreadable, or left in memory at close
         self.dropped_events = 0
@@ -123,6 +74,14 @@ class Spool:
         self.open_errors = 0              # a segment could not be opened to read back (no fd to spare): retried
         self._problems_said = 0
 
+    @property
+    def disk_bytes(self) -> int:
+        return self._segs.disk_bytes
+
+    @property
+    def mem_bytes(self) -> int:
+        return self._segs.mem_bytes
+
     # ---- open / close ------------------------------------------------------------------------------
 
     def open(self) -> "Spool":
@@ -136,7 +95,7 @@ class Spool:
         return self
 
     def _open_dir(self) -> None:
-        d = self._dir = SpoolDir(self.directory)
+        d = self._dir = self._segs.dir = SpoolDir(self.directory)
         d.take()
         meta = d.read_meta()
         found = d.segments()
@@ -157,7 +116,7 @@ class Spool:
                     self._acked[self._agent_no[agent]] = upto  # acknowledged before a clean stop
             self._release()
             self.restored_frames = self.held()
-        self._next_no = found[-1][0] + 1 if found else 1
+        self._segs.next_no = found[-1][0] + 1 if found else 1
         self._high_sent = self.end  # restored frames may have been sent: sending them is a replay
         self._write_meta()
         self.on_disk = True
@@ -173,17 +132,12 @@ class Spool:
     def _read_segment(self, no: int, path: str, keep: bool) -> int:
         """Index the good records of one segment file (keep: as a segment of this spool, not held open);
         returns how many. Damage is said (the first PROBLEMS_SAID) and counted, never fatal."""
-        found, size = records.read_segment(path, self._problem)
-        seg = _Seg(no, self.end, path)
-        for r in found:
-            seg.add(self._agent_index(r.agent), r.batch, r.events, r.offset, r.length)
+        seg = self._segs.index_file(no, path, self.end, self._problem)
         if not keep or not len(seg):
             if keep:
                 os.unlink(path)
             return len(seg)
-        seg.size = size
-        self.disk_bytes += size
-        self._segs.append(seg)
+        self._segs.adopt(seg)
         self.end += len(seg)
         return len(seg)
 
@@ -210,11 +164,7 @@ class Spool:
                 self._write_meta()
             except OSError as e:
                 log.warning("spool: cannot write %s: %s", META_FILE, e)
-        for seg in list(self._segs):
-            self._close_seg(seg, unlink=everything_released)
-        self._segs.clear()
-        self._cur = None
-        self._tail.clear()
+        self._segs.close_all(unlink=everything_released)
         self._release_lock()
 
     def _release_lock(self) -> None:
@@ -241,89 +191,43 @@ class Spool:
             self.dropped_frames += 1  # bigger than the whole spool: cannot be kept
             self.dropped_events += events
             return
-        while (self.disk_bytes if disk else self.mem_bytes) + size > limit and self._segs:
+        while (self._segs.disk_bytes if disk else self._segs.mem_bytes) + size > limit and self._segs:
             if not disk and self._segs[0].data is None:
                 break  # the oldest are on disk (from before a disk error): evicting them frees no memory
             self._evict_oldest()
-        if not disk and self.mem_bytes + size > limit:
+        if not disk and self._segs.mem_bytes + size > limit:
             self.dropped_frames += 1
             self.dropped_events += events
             return
         if disk:
             try:
-                self._append_disk(agent, agent_b, batch, events, frame)
+                self._segs.add_disk(self.end, agent, agent_b, batch, events, frame,
+                                    self._segment_bytes(self.max_bytes))
+                self.end += 1
                 return
             except OSError as e:
                 self.disk_errors += 1
                 self._to_memory(f"cannot write spool {self.directory}: {e.strerror or e}")
                 self.append(agent, batch, events, frame)
                 return
-        seg = self._cur
-        if seg is None or seg.data is None or (len(seg) and seg.size + size > self._segment_bytes(limit)):
-            seg = self._cur = _Seg(0, self.end)
-            self._segs.append(seg)
-        seg.data.append(frame)
-        seg.add(self._agent_index(agent), batch, events, 0, len(frame))
-        seg.size += size
-        self.mem_bytes += size
+        self._segs.add_memory(self.end, agent, batch, events, frame, size, self._segment_bytes(limit))
         self.end += 1
 
     def _segment_bytes(self, limit: int) -> int:
         return max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, limit // SEGMENTS_PER_BOUND))
 
-    def _append_disk(self, agent: str, agent_b: bytes, batch: int, events: int, frame: bytes) -> None:
-        size = records.record_size(agent_b, frame)
-        seg = self._cur
-        if seg is None or seg.data is not None or (seg.size and seg.size + size > self._segment_bytes(self.max_bytes)):
-            self._end_cur()
-            path, fd = self._dir.create_segment(self._next_no)
-            self._next_no += 1
-            seg = self._cur = _Seg(self._next_no - 1, self.end, path, fd)
-            self._segs.append(seg)
-        rec = records.encode(agent_b, batch, events, frame)
-        done = 0
-        try:
-            while done < len(rec):
-                k = os.write(seg.fd, rec[done:])
-                if k <= 0:
-                    raise OSError(errno.EIO, f"write returned {k}")
-                done += k
-        finally:
-            seg.size += done
-            self.disk_bytes += done
-            if done < len(rec):
-                self._end_cur()  # a torn record: nothing more goes into this file (a restart skips it)
-        seg.add(self._agent_index(agent), batch, events, seg.size - len(frame), len(frame))
-        self.end += 1
-        self._tail[self.end - 1] = frame
-        self._tail_bytes += len(frame)
-        while len(self._tail) > TAIL_CACHE_FRAMES or self._tail_bytes > TAIL_CACHE_BYTES:
-            self._tail_bytes -= len(self._tail.popitem(last=False)[1])
-
-    def _end_cur(self) -> None:
-        """Append no more to the current segment; on disk, let go of its fd (it is read back by name)."""
-        seg, self._cur = self._cur, None
-        if seg is not None and seg.data is None:
-            self._close_fd(seg)
-
     def _to_memory(self, why: str) -> None:
-        if self._cur is not None and self._cur.data is None:
-            self._end_cur()
+        if self._segs.cur is not None and self._segs.cur.data is None:
+            self._segs.end_cur()
         self.on_disk = False
         self.say(f"ccld: warning: {why}; keeping unacknowledged frames in memory instead "
                  f"(up to {self.memory_bytes / 2**20:.0f} MiB)")
 
-    def _locate(self, pos: int) -> Tuple[_Seg, int]:
-        for seg in self._segs:
-            if pos < seg.start + len(seg):
-                return seg, pos - seg.start
-        raise IndexError(pos)
-
     def peek(self) -> Optional[Tuple[bytes, int]]:
         """(frame, events in it) at the send cursor, or None when everything was sent."""
         while self.send < self.end:
-            seg, i = self._locate(self.send)
-            frame = self._tail.get(self.send)
+            seg, i = self._segs.locate(self.send)
+            frame = self._segs.tail.get(self.send)
             if frame is None:
                 if seg.data is not None:
                     frame = seg.data[i]
@@ -332,7 +236,7 @@ class Spool:
                     continue
                 else:
                     try:
-                        fd = self._reader(seg)
+                        self._segs.reader(seg)
                     except OSError as e:
                         if e.errno != errno.ENOENT:  # no fd (or memory) to spare for now: lose nothing, retry
                             self.open_errors += 1
@@ -343,13 +247,11 @@ class Spool:
                         log.warning("spool: %s was removed under the agent: its %d unsent frames are lost",
                                     seg.path, len(seg) - i)
                         for k in range(i, len(seg)):  # the whole file, once: not an open per frame
-                            if seg.start + k not in self._tail:
+                            if seg.start + k not in self._segs.tail:
                                 self._lose(seg, k)
                         continue
                     try:
-                        frame = os.pread(fd, seg.lengths[i], seg.offsets[i])
-                        if len(frame) != seg.lengths[i]:
-                            raise OSError(errno.EIO, f"short read ({len(frame)} of {seg.lengths[i]} bytes)")
+                        frame = seg.read(i)
                     except OSError as e:  # the file was truncated under us: that frame is lost
                         log.warning("spool: cannot read back frame %d of %s: %s", i, seg.path, e)
                         self._lose(seg, i)
@@ -357,7 +259,7 @@ class Spool:
             return frame, seg.events[i]
         return None
 
-    def _lose(self, seg: _Seg, i: int) -> None:
+    def _lose(self, seg: Segment, i: int) -> None:
         """Frame i of `seg` cannot be read back: counted once, and let go like an acknowledged one (never
         sent, so never acknowledged); the cursor passes it by, uncounted, when it comes back (a replay)."""
         if seg.batches[i] == LOST_BATCH:
@@ -367,24 +269,12 @@ class Spool:
         self.dropped_events += seg.events[i]
         seg.batches[i] = LOST_BATCH
 
-    def _reader(self, seg: _Seg) -> int:
-        """An fd to read `seg` back with: its own while it is written, else one opened for it, closing
-        the last one opened (a replay reads segments in order: one open each)."""
-        if seg.fd is None:
-            if self._reading is not None:
-                self._close_fd(self._reading)
-            seg.fd = os.open(seg.path, os.O_RDONLY)
-            self._reading = seg
-        return seg.fd
-
     def sent(self) -> bool:
         """The frame at the cursor went out; True when it had been sent before (a replay)."""
         replay = self.send < self._high_sent
         if replay:
             self.replayed_frames += 1
-        tail = self._tail.pop(self.send, None)
-        if tail is not None:
-            self._tail_bytes -= len(tail)
+        self._segs.tail.pop(self.send)
         self.send += 1
         self._high_sent = max(self._high_sent, self.send)
         if not self.retain:
@@ -421,18 +311,16 @@ class Spool:
             seg = self._segs[0]
             i = self.head - seg.start
             if i >= len(seg):
-                if seg is self._cur:
+                if seg is self._segs.cur:
                     break
-                self._close_seg(self._segs.popleft(), unlink=True)
+                self._segs.close(self._segs.popleft(), unlink=True)
                 continue
             sent_unretained = self.head < self.send and not self.retain
             if not sent_unretained and seg.batches[i] > self._acked.get(seg.agent_at(i), 0):
                 break
             self.head += 1
             if seg.data is not None:
-                self.mem_bytes -= len(seg.data[i])
-                seg.size -= len(seg.data[i])
-                seg.data[i] = b""
+                self._segs.free(seg, i)
         self.send = max(self.send, self.head)
 
     def _evict_oldest(self) -> None:
@@ -444,32 +332,10 @@ class Spool:
         self.dropped_events += sum(seg.events[unsent - seg.start:])
         self.head = stop
         self.send = max(self.send, stop)
-        for p in [p for p in self._tail if p < stop]:
-            self._tail_bytes -= len(self._tail.pop(p))
-        if seg is self._cur:
-            self._cur = None
-        self._close_seg(seg, unlink=True)
-
-    def _close_seg(self, seg: _Seg, unlink: bool) -> None:
-        if seg.data is not None:
-            self.mem_bytes -= seg.size
-            seg.data = []
-            return
-        self.disk_bytes -= seg.size
-        self._close_fd(seg)
-        if unlink:
-            try:
-                os.unlink(seg.path)
-            except OSError as e:
-                log.warning("spool: cannot remove %s: %s", seg.path, e)
-
-    def _close_fd(self, seg: _Seg) -> None:
-        """Let go of a disk segment's fd (appending or reading); it stays held, by name."""
-        if seg is self._reading:
-            self._reading = None
-        if seg.fd is not None:
-            os.close(seg.fd)
-            seg.fd = None
+        self._segs.tail.drop_below(stop)
+        if seg is self._segs.cur:
+            self._segs.cur = None
+        self._segs.close(seg, unlink=True)
 
     # ---- what is held ------------------------------------------------------------------------------
 

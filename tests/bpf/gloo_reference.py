@@ -1,6 +1,6 @@
 """The gloo translator as it was before the batch path (commit 9a4bdd2), one record at a time: the
-reference the batch translator (ccld/bpf/gloo.py) is checked against, on real kernel records and on
-generated ones (test_gloo_batch.py). Not used by ccld itself.
+reference the batch translator (ccld/bpf/gloo_translator.py) is checked against, on real kernel records
+and on generated ones (test_gloo_batch.py). Not used by ccld itself.
 
 It reads the records of the old program, one event per probe: WORK_INIT, WORK_START (at execute),
 WORK_SIZE (at the algorithm entry), WORK_END. `feed()` turns the program's records into those: a
@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
 from ccld import wire as ev
-from ccld.bpf import gloo
-from ccld.bpf.gloo import HOLD_MS, OP_NAMES, P2P_OPS, SIZED_OPS, gloo_message
+from ccld.bpf import gloo_records as gr
+from ccld.bpf.gloo_comms import gloo_message
+from ccld.bpf.gloo_records import OP_NAMES, P2P_OPS
+from ccld.bpf.gloo_translator import HOLD_MS, SIZED_OPS
 
 PG_INIT, WORK_INIT, WORK_START, WORK_END, P2P_REC, WORK_SIZE, PAIR_FAIL, P2P_END, PG_NAME = 1, 2, 3, 4, 5, 6, 7, 8, 9
 
@@ -27,16 +29,16 @@ def _hdr(h, ts=None):
 
 def old_records(kind: int, rec):
     """[(old kind, old-style record)] for one record of today's program."""
-    if kind == gloo.WORK_INIT:
+    if kind == gr.WORK_INIT:
         return [(WORK_INIT, types.SimpleNamespace(hdr=rec.hdr, pg=rec.pg, work=rec.work, seq=rec.lib_seq,
                                                   enter_ns=rec.enter_ns, tag=rec.tag, op=rec.op))]
-    if kind == gloo.WORK_START:
+    if kind == gr.WORK_START:
         out = [(WORK_START, types.SimpleNamespace(hdr=_hdr(rec.hdr, rec.start_ns), work=rec.work, ok=1))]
         if rec.sized:
             out.append((WORK_SIZE, types.SimpleNamespace(hdr=rec.hdr, work=rec.work, min_bytes=rec.min_bytes,
                                                          nbufs=rec.nbufs)))
         return out
-    if kind == gloo.WORK_END:
+    if kind == gr.WORK_END:
         out = []
         if rec.start_ns:
             out.append((WORK_START, types.SimpleNamespace(hdr=_hdr(rec.hdr, rec.start_ns), work=rec.work, ok=1)))

@@ -1,5 +1,5 @@
-"""The batch gloo translator (ccld/bpf/gloo.py, a drain at a time with array operations) against the
-one-record-at-a-time translator it replaced (gloo_reference.py), on generated probe hits.
+"""The batch gloo translator (ccld/bpf/gloo_translator.py, a drain at a time with array operations)
+against the one-record-at-a-time translator it replaced (gloo_reference.py), on generated probe hits.
 
 A small model of gloo.bpf.c turns a random run of probe hits (API entries, nextTag, works built,
 executed, sized, finished, reused at the same address; groups created, connections broken, p2p
@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ccld import wire as ev
-from ccld.bpf import gloo
+from ccld.bpf import gloo_records as gr
+from ccld.bpf.gloo_translator import HOLD_MS, GlooTranslator
 from ccld.bpf.rows import Rows
 from gloo_reference import ReferenceTranslator
 
@@ -84,12 +85,12 @@ class Kernel:
         reuse = int(old is not None and not old["covered"])
         self.works[(pid, work)] = {"pg": pg, "seq": seq, "enter_ns": enter_ns, "lib_seq": lib_seq, "tid": tid,
                                    "op": op, "covered": False}
-        self._rec(gloo.WorkInit, gloo.WORK_INIT, pid, tid, pg=pg, work=work, seq=seq, lib_seq=lib_seq,
+        self._rec(gr.WorkInit, gr.WORK_INIT, pid, tid, pg=pg, work=work, seq=seq, lib_seq=lib_seq,
                   enter_ns=enter_ns, timeout_ms=1000, tag=tag, op=op, reuse=reuse)
 
     @staticmethod
     def _enter_of(wv):
-        e = gloo.EnterOf()
+        e = gr.EnterOf()
         if wv is not None:
             e.enter_ns, e.lib_seq, e.tid, e.op = wv["enter_ns"], wv["lib_seq"], wv["tid"], wv["op"]
             e.found, e.releases = 1, int(not wv["covered"])
@@ -102,7 +103,7 @@ class Kernel:
             e.releases = 0
         elif wv is not None:
             wv["covered"] = True
-        self._rec(gloo.WorkStart, gloo.WORK_START, pid, tid, pg=wv["pg"] if wv else 0, work=s["work"],
+        self._rec(gr.WorkStart, gr.WORK_START, pid, tid, pg=wv["pg"] if wv else 0, work=s["work"],
                   seq=wv["seq"] if wv else 0, start_ns=s["start"], min_bytes=s["min"] if s["n"] else 0,
                   total_bytes=s["total"], nbufs=s["n"], sized=sized, e=e)
 
@@ -136,17 +137,17 @@ class Kernel:
                 self._start(pid, tid, s, 0)
             s["open"] = False
         wv = self.works.pop((pid, work), None)
-        self._rec(gloo.WorkEnd, gloo.WORK_END, pid, tid, pg=wv["pg"] if wv else 0, work=work,
+        self._rec(gr.WorkEnd, gr.WORK_END, pid, tid, pg=wv["pg"] if wv else 0, work=work,
                   seq=wv["seq"] if wv else 0, start_ns=start_ns, ok=ok, e=self._enter_of(wv))
 
     def pg_init(self, pid, pg, rank, size):
-        self._rec(gloo.PgInit, gloo.PG_INIT, pid, pid, pg=pg, rank=rank, size=size)
+        self._rec(gr.PgInit, gr.PG_INIT, pid, pid, pg=pg, rank=rank, size=size)
 
     def pg_name(self, pid, name):
-        self._rec(gloo.PgName, gloo.PG_NAME, pid, pid, pg=0x9000, len=len(name), name=name)
+        self._rec(gr.PgName, gr.PG_NAME, pid, pid, pg=0x9000, len=len(name), name=name)
 
     def pair_fail(self, pid, peer):
-        self._rec(gloo.PairFail, gloo.PAIR_FAIL, pid, pid + 2, pair=0x77, peer=peer,
+        self._rec(gr.PairFail, gr.PAIR_FAIL, pid, pid + 2, pair=0x77, peer=peer,
                   msg=b"[pair.cc:1] Read error [127.0.0.1]:4000: Connection reset by peer")
 
 
@@ -212,15 +213,15 @@ def run_program(draw):
         elif act == "fail":
             k.pair_fail(p, draw(st.integers(-1, 1)))
         elif act == "cut":
-            cuts.append((len(k.recs), k.t + draw(st.sampled_from([0, 1000, gloo.HOLD_MS * MS]))))
-    cuts.append((len(k.recs), k.t + draw(st.sampled_from([0, gloo.HOLD_MS * MS]))))
+            cuts.append((len(k.recs), k.t + draw(st.sampled_from([0, 1000, HOLD_MS * MS]))))
+    cuts.append((len(k.recs), k.t + draw(st.sampled_from([0, HOLD_MS * MS]))))
     return k.recs, cuts, pids, tags
 
 
 def rows_of(recs):
-    raw = b"".join(bytes(r).ljust(gloo.REC_SIZE, b"\0") for r in recs)
-    rows = np.frombuffer(raw, np.uint8).reshape(len(recs), gloo.REC_SIZE).copy()
-    good, kinds = gloo.KINDS.check(rows, {})
+    raw = b"".join(bytes(r).ljust(gr.REC_SIZE, b"\0") for r in recs)
+    rows = np.frombuffer(raw, np.uint8).reshape(len(recs), gr.REC_SIZE).copy()
+    good, kinds = gr.KINDS.check(rows, {})
     assert len(good) == len(recs)
     return good, kinds
 
@@ -248,7 +249,7 @@ def compare(batch_items, ref_events, bt, rt):
 def test_batch_equals_record_by_record_on_generated_runs(data):
     recs, cuts, pids, tags = run_program(data.draw)
     batch_out, ref_out = [], []
-    bt, rt = gloo.GlooTranslator(batch_out.append), ReferenceTranslator(ref_out.append)
+    bt, rt = GlooTranslator(batch_out.append), ReferenceTranslator(ref_out.append)
     for t in (bt, rt):
         for p in pids:
             t.add_process(p, p // 100, "job")
@@ -280,7 +281,7 @@ def test_a_whole_drain_of_collectives_is_one_rows():
         k.algo(100, 101)
         k.finish(100, 101, 0xA0, 1)
     out = []
-    t = gloo.GlooTranslator(out.append)
+    t = GlooTranslator(out.append)
     t.add_process(100, 0, "job")
     t.records(*rows_of(k.recs))
     assert [type(x).__name__ for x in out] == ["CommInit", "Rows"]

@@ -435,7 +435,7 @@ def test_agent_ebpf_prints_programs():
     assert res.returncode == 0, f"rc {res.returncode}\n{res.stderr[-3000:]}"
     parts = re.split(r"^(?=// cflags: )", res.stdout, flags=re.M)
     programs = [p for p in parts if p.strip()]
-    from ccld.tracer.agent import FAMILY_NAMES
+    from ccld.tracer.families import FAMILY_NAMES
     names = [f"{fam}.bpf.c" for fam in FAMILY_NAMES]
     assert len(programs) == len(names), f"expected {len(names)} programs, got {len(programs)}:\n{res.stdout[:2000]}"
     for text, name in zip(programs, names):

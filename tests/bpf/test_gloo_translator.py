@@ -8,7 +8,10 @@ rank); the batch translator against the one-record-at-a-time reference: test_glo
 import numpy as np
 import pytest
 
-from ccld.bpf import gloo
+from ccld.bpf import gloo_records as gr
+from ccld.bpf.gloo import tag_offset
+from ccld.bpf.gloo_comms import LOST_RE
+from ccld.bpf.gloo_translator import HOLD_MS, GlooTranslator
 from ccld.bpf.rows import Rows
 
 pytestmark = pytest.mark.unit
@@ -33,9 +36,9 @@ def ctypes_size(cls):
 
 def drain(t, *recs):
     """Hand the translator these records as one drain, as the ring buffer gives them."""
-    raw = b"".join(bytes(r).ljust(gloo.REC_SIZE, b"\0") for r in recs)
-    rows = np.frombuffer(raw, np.uint8).reshape(len(recs), gloo.REC_SIZE).copy()
-    good, kinds = gloo.KINDS.check(rows, {})
+    raw = b"".join(bytes(r).ljust(gr.REC_SIZE, b"\0") for r in recs)
+    rows = np.frombuffer(raw, np.uint8).reshape(len(recs), gr.REC_SIZE).copy()
+    good, kinds = gr.KINDS.check(rows, {})
     assert len(good) == len(recs)
     t.records(good, kinds)
 
@@ -48,14 +51,14 @@ class Out(list):
 
 
 def init(ts, op=1, seq=7, work=WORK):  # op 1: allreduce (c10d::OpType); seq: the collective's, from the kernel
-    return rec(gloo.WorkInit, gloo.WORK_INIT, ts, pg=PG, work=work, seq=seq, lib_seq=seq + 10, enter_ns=ts - 5,
+    return rec(gr.WorkInit, gr.WORK_INIT, ts, pg=PG, work=work, seq=seq, lib_seq=seq + 10, enter_ns=ts - 5,
                op=op, tag=seq - 1)  # c10d's seq counts p2p too: 10 more here
 
 
 def enter_of(found, releases, op=1, enter_ns=0, lib_seq=17):
     """What the kernel copies from `works` into a start or an end: the enter's fields, whether it was
     found, and whether this is the first start (with sizes) or end since the enter."""
-    e = gloo.EnterOf()
+    e = gr.EnterOf()
     if found:
         e.enter_ns, e.lib_seq, e.tid, e.op, e.found, e.releases = enter_ns, lib_seq, PID + 1, op, 1, releases
     return e
@@ -65,7 +68,7 @@ def start(ts, nbytes=None, nbufs=1, work=WORK, seq=7, found=1, releases=1, op=1,
     """A start with the sizes of its buffers (nbytes None: no algorithm entry closed the window, and
     such a start never releases its enter)."""
     sized = int(nbytes is not None)
-    return rec(gloo.WorkStart, gloo.WORK_START, ts + 3, pg=PG if found else 0, work=work, seq=seq if found else 0,
+    return rec(gr.WorkStart, gr.WORK_START, ts + 3, pg=PG if found else 0, work=work, seq=seq if found else 0,
                start_ns=ts, min_bytes=nbytes or 0, total_bytes=(nbytes or 0) * nbufs,
                nbufs=nbufs if nbytes is not None else 0, sized=sized,
                e=enter_of(found, releases & sized, op, enter_ns if enter_ns is not None else 100 * MS - 5, seq + 10))
@@ -73,23 +76,23 @@ def start(ts, nbytes=None, nbufs=1, work=WORK, seq=7, found=1, releases=1, op=1,
 
 def end(ts, ok=1, work=WORK, seq=7, start_ns=0, found=1, releases=1, op=1, enter_ns=None):
     """An end (releases=0 when a sized start went before it)."""
-    return rec(gloo.WorkEnd, gloo.WORK_END, ts, pg=PG if found else 0, work=work, seq=seq if found else 0, ok=ok,
+    return rec(gr.WorkEnd, gr.WORK_END, ts, pg=PG if found else 0, work=work, seq=seq if found else 0, ok=ok,
                start_ns=start_ns, e=enter_of(found, releases, op,
                                              enter_ns if enter_ns is not None else 100 * MS - 5, seq + 10))
 
 
 def pg_name(ts, name):
     """c10d's setGroupName on the group's ProcessGroup (another object than the gloo backend)."""
-    return rec(gloo.PgName, gloo.PG_NAME, ts, pg=0x9000, len=len(name), name=name)
+    return rec(gr.PgName, gr.PG_NAME, ts, pg=0x9000, len=len(name), name=name)
 
 
 @pytest.fixture
 def tr():
     out = Out()
-    t = gloo.GlooTranslator(out)
+    t = GlooTranslator(out)
     t.out = out
     t.add_process(PID, RANK, "job")
-    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4), pg_name(2, b"0"))
+    drain(t, rec(gr.PgInit, gr.PG_INIT, 1, pg=PG, rank=RANK, size=4), pg_name(2, b"0"))
     out.clear()
     return t
 
@@ -135,9 +138,9 @@ def test_a_work_that_ends_before_its_size_keeps_enter_start_end_order(tr):
 
 def test_a_busy_worker_costs_the_size_after_hold_ms_not_the_enter(tr):
     drain(tr, init(100 * MS))
-    tr.flush(100 * MS + gloo.HOLD_MS * MS - 1)
+    tr.flush(100 * MS + HOLD_MS * MS - 1)
     assert tr.out == []
-    tr.flush(100 * MS + gloo.HOLD_MS * MS)
+    tr.flush(100 * MS + HOLD_MS * MS)
     assert kinds(tr.out) == [("coll", -1)] and tr.unsized == 1
     drain(tr, start(400 * MS, 16384), end(400 * MS + 20, releases=0))  # the enter went already: not again
     assert kinds(tr.out) == [("coll", -1), ("start", None), ("end", None)]
@@ -186,7 +189,7 @@ def test_starts_and_ends_of_works_never_entered_are_counted_not_sent(tr):
 
 
 def pair_fail(ts, peer, msg):
-    return rec(gloo.PairFail, gloo.PAIR_FAIL, ts, pair=0x3000, peer=peer, msg=msg[:gloo.ERR_LEN - 1])  # as BPF cuts it
+    return rec(gr.PairFail, gr.PAIR_FAIL, ts, pair=0x3000, peer=peer, msg=msg[:gr.ERR_LEN - 1])  # as BPF cuts it
 
 
 GLOO_MSG = (b"[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
@@ -201,7 +204,7 @@ def test_a_failed_collective_names_the_first_connection_that_broke(tr):
     e = tr.out[-1]
     assert e.ok is False and e.error == ("gloo reported an error (finishWorkGlooError); connection to group rank 2 "
                                          "broke: Read error [127.0.0.1]:65238: Connection reset by peer")
-    assert gloo.LOST_RE.search(e.error).group(1) == "2"
+    assert LOST_RE.search(e.error).group(1) == "2"
 
 
 def test_a_good_end_forgets_an_old_broken_connection(tr):
@@ -217,27 +220,27 @@ def test_a_good_end_forgets_an_old_broken_connection(tr):
 # ---- numbering: collectives by c10d's tag (in the kernel), p2p ops per direction and peer ------
 
 def p2p(ts, op=12, peer=1, work=0x3000, seq=1, nbytes=64):  # op 12 send, 13 recv (c10d::OpType)
-    return rec(gloo.P2pRec, gloo.P2P_REC, ts, pg=PG, work=work, seq=seq, enter_ns=ts - 3, nbytes=nbytes, op=op,
+    return rec(gr.P2pRec, gr.P2P_REC, ts, pg=PG, work=work, seq=seq, enter_ns=ts - 3, nbytes=nbytes, op=op,
                peer=peer, tag=0)
 
 
 def p2p_end(ts, work=0x3000, ok=1, wait_ns=0):
-    return rec(gloo.P2pEnd, gloo.P2P_END, ts, work=work, ok=ok, wait_ns=wait_ns)
+    return rec(gr.P2pEnd, gr.P2P_END, ts, work=work, ok=ok, wait_ns=wait_ns)
 
 
 def test_collectives_carry_the_kernels_seq_and_c10ds_as_lib_seq(tr):
     # c10d's seq jumps by the p2p ops in between (11, 15); the kernel's seq counts collectives only
-    drain(tr, rec(gloo.WorkInit, gloo.WORK_INIT, 1 * MS, pg=PG, work=WORK, seq=1, lib_seq=11, tag=0, op=15, enter_ns=1),
-          rec(gloo.WorkInit, gloo.WORK_INIT, 2 * MS, pg=PG, work=WORK + 8, seq=2, lib_seq=15, tag=1, op=15, enter_ns=2))
+    drain(tr, rec(gr.WorkInit, gr.WORK_INIT, 1 * MS, pg=PG, work=WORK, seq=1, lib_seq=11, tag=0, op=15, enter_ns=1),
+          rec(gr.WorkInit, gr.WORK_INIT, 2 * MS, pg=PG, work=WORK + 8, seq=2, lib_seq=15, tag=1, op=15, enter_ns=2))
     assert [(e.seq, e.lib_seq) for e in tr.out] == [(1, 11), (2, 15)]
 
 
 def test_p2p_ops_are_numbered_per_direction_and_peer_and_their_ends_follow():
     out = Out()
-    t = gloo.GlooTranslator(out)
+    t = GlooTranslator(out)
     t.add_process(PID, RANK, "job")
     t.tags_readable(PID, True)
-    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4), pg_name(2, b"0"))
+    drain(t, rec(gr.PgInit, gr.PG_INIT, 1, pg=PG, rank=RANK, size=4), pg_name(2, b"0"))
     (init_ev,) = out
     assert init_ev.seq_source == "library"
     out.clear()
@@ -259,11 +262,11 @@ def test_p2p_ops_are_numbered_per_direction_and_peer_and_their_ends_follow():
 
 def test_seq_source_says_whether_counting_began_with_the_group():
     out = Out()
-    t = gloo.GlooTranslator(out)
+    t = GlooTranslator(out)
     t.add_process(PID, RANK, "job")
-    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4),  # seen at creation
-          rec(gloo.WorkInit, gloo.WORK_INIT, 2, pg=PG + 1, work=WORK, seq=3, tag=-1, op=15, enter_ns=1),
-          rec(gloo.WorkInit, gloo.WORK_INIT, 3, pg=PG, work=WORK + 1, seq=1, tag=-1, op=15, enter_ns=3))
+    drain(t, rec(gr.PgInit, gr.PG_INIT, 1, pg=PG, rank=RANK, size=4),  # seen at creation
+          rec(gr.WorkInit, gr.WORK_INIT, 2, pg=PG + 1, work=WORK, seq=3, tag=-1, op=15, enter_ns=1),
+          rec(gr.WorkInit, gr.WORK_INIT, 3, pg=PG, work=WORK + 1, seq=1, tag=-1, op=15, enter_ns=3))
     assert [(e.KIND, e.comm, e.seq_source) for e in out if e.KIND == "comm"] == \
         [("comm", "job/gloo:1", "attach"), ("comm", "job/gloo:0", "counted")]
 
@@ -273,13 +276,13 @@ def test_subgroups_are_named_by_c10ds_group_name_not_by_the_order_they_were_buil
     # rank builds the world first and its own tp group second. By order of building, rank 0's and
     # rank 2's second groups would both be "gloo:1".
     out = Out()
-    t = gloo.GlooTranslator(out)
+    t = GlooTranslator(out)
     for pid, rank in ((10, 0), (30, 2)):
         t.add_process(pid, rank, "job")
     recs = []
     for pid, rank, mine in ((10, 0, b"1"), (30, 2, b"2")):
         for pg, name, g_rank, size in ((PG, b"0", rank, 4), (PG + 0x100, mine, 0, 2)):
-            r = rec(gloo.PgInit, gloo.PG_INIT, 1, pg=pg, rank=g_rank, size=size)
+            r = rec(gr.PgInit, gr.PG_INIT, 1, pg=pg, rank=g_rank, size=size)
             n = pg_name(2, name)
             r.hdr.tgid = n.hdr.tgid = pid
             recs += [r, n]
@@ -294,11 +297,11 @@ def test_a_name_goes_to_the_first_group_built_since_the_last_one():
     # then names the group. The helper keeps the order-of-building name; a name with nothing built
     # since the last one (an NCCL group's) names nothing.
     out = Out()
-    t = gloo.GlooTranslator(out)
+    t = GlooTranslator(out)
     t.add_process(PID, RANK, "job")
-    drain(t, rec(gloo.PgInit, gloo.PG_INIT, 1, pg=PG, rank=RANK, size=4),
-          rec(gloo.PgInit, gloo.PG_INIT, 2, pg=PG + 1, rank=RANK, size=4), pg_name(3, b"5"), pg_name(4, b"6"),
-          rec(gloo.WorkInit, gloo.WORK_INIT, 5, pg=PG + 1, work=WORK, seq=3, tag=-1, op=15, enter_ns=5))
+    drain(t, rec(gr.PgInit, gr.PG_INIT, 1, pg=PG, rank=RANK, size=4),
+          rec(gr.PgInit, gr.PG_INIT, 2, pg=PG + 1, rank=RANK, size=4), pg_name(3, b"5"), pg_name(4, b"6"),
+          rec(gr.WorkInit, gr.WORK_INIT, 5, pg=PG + 1, work=WORK, seq=3, tag=-1, op=15, enter_ns=5))
     assert [(e.comm, e.handle) for e in out if e.KIND == "comm"] == [("job/gloo:5", PG), ("job/gloo:1", PG + 1)]
 
 
@@ -311,9 +314,9 @@ def test_records_of_processes_not_traced_are_dropped(tr):
 
 def test_the_tag_offset_is_read_off_nexttags_code_and_nothing_else():
     body = b"\x8b\x87\xd4\x00\x00\x00" b"\x8d\x50\x01" b"\x89\x97\xd4\x00\x00\x00" b"\xc3"
-    assert gloo.tag_offset(body + b"\x90" * 8) == 0xD4
-    assert gloo.tag_offset(b"\xf3\x0f\x1e\xfa" + body) == 0xD4                        # endbr64 first
-    assert gloo.tag_offset(b"\x8b\x47\x30\x8d\x50\x01\x89\x57\x30\xc3" + b"\x90" * 4) == 0x30  # disp8
-    assert gloo.tag_offset(body.replace(b"\x89\x97\xd4", b"\x89\x97\xd8")) is None     # stores elsewhere
-    assert gloo.tag_offset(b"\xf0\x0f\xc1\x07" + b"\x90" * 20) is None                 # an atomic: unknown
-    assert gloo.tag_offset(b"") is None
+    assert tag_offset(body + b"\x90" * 8) == 0xD4
+    assert tag_offset(b"\xf3\x0f\x1e\xfa" + body) == 0xD4                        # endbr64 first
+    assert tag_offset(b"\x8b\x47\x30\x8d\x50\x01\x89\x57\x30\xc3" + b"\x90" * 4) == 0x30  # disp8
+    assert tag_offset(body.replace(b"\x89\x97\xd4", b"\x89\x97\xd8")) is None     # stores elsewhere
+    assert tag_offset(b"\xf0\x0f\xc1\x07" + b"\x90" * 20) is None                 # an atomic: unknown
+    assert tag_offset(b"") is None

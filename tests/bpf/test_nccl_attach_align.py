@@ -21,7 +21,7 @@ from test_nccl_probes import _libnccl
 
 from ccld import wire as ev
 from ccld.bpf import nccl
-from ccld.bpf.loader import bpf_available
+from ccld.bpf.progcache import bpf_available
 from ccld.timeline.timeline import Timeline
 
 pytestmark = pytest.mark.bpf

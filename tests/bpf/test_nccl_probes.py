@@ -17,7 +17,7 @@ from recorder import Recorder, rows_of
 
 from ccld import wire as ev
 from ccld.bpf import nccl
-from ccld.bpf.loader import bpf_available
+from ccld.bpf.progcache import bpf_available
 
 pytestmark = pytest.mark.bpf
 

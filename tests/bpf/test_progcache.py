@@ -31,7 +31,8 @@ def without_fds(spec):
 
 
 def test_a_cached_program_is_the_compiled_one_and_works(cache):
-    from ccld.bpf.gloo import GlooFamily, GlooTranslator
+    from ccld.bpf.gloo import GlooFamily
+    from ccld.bpf.gloo_translator import GlooTranslator
     first = GlooFamily(GlooTranslator(lambda e: None))
     first.load()
     assert not first.from_cache

@@ -18,7 +18,7 @@ from recorder import Recorder
 
 from ccld import wire as ev
 from ccld.bpf import rdma
-from ccld.bpf.loader import bpf_available
+from ccld.bpf.progcache import bpf_available
 
 pytestmark = pytest.mark.bpf
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ccld.bpf import gloo, nccl, rdma, records, sched
+from ccld.bpf import gloo, gloo_records, nccl, rdma, records, sched
 from ccld.bpf.loader import BPF_DIR
 
 pytestmark = pytest.mark.unit
@@ -28,20 +28,21 @@ pytestmark = pytest.mark.unit
 # C struct -> Python mirror, per source. A record struct without an entry here fails the test.
 MIRRORS = {
     "common.h": {"ccld_hdr": records.Header},
-    "gloo.bpf.c": {"gloo_pg_init": gloo.PgInit, "gloo_work_init": gloo.WorkInit,
-                   "gloo_work_start": gloo.WorkStart, "gloo_work_end": gloo.WorkEnd, "gloo_p2p": gloo.P2pRec,
-                   "gloo_pair_fail": gloo.PairFail, "gloo_p2p_end": gloo.P2pEnd, "gloo_enter_of": gloo.EnterOf,
-                   "gloo_pg_name": gloo.PgName},
+    "gloo.bpf.c": {"gloo_pg_init": gloo_records.PgInit, "gloo_work_init": gloo_records.WorkInit,
+                   "gloo_work_start": gloo_records.WorkStart, "gloo_work_end": gloo_records.WorkEnd,
+                   "gloo_p2p": gloo_records.P2pRec, "gloo_pair_fail": gloo_records.PairFail,
+                   "gloo_p2p_end": gloo_records.P2pEnd, "gloo_enter_of": gloo_records.EnterOf,
+                   "gloo_pg_name": gloo_records.PgName},
     "sched.bpf.c": {"sched_stats": sched.SchedVal, "fatal_signal": sched.FatalSignal},
     "nccl.bpf.c": {"nccl_call": nccl.NcclCall, "nccl_group": nccl.NcclGroup,
                    "nccl_comm_init": nccl.NcclCommInit, "nccl_comm_end": nccl.NcclCommEnd},
 }
 # C record kind -> Python constant, per source
 KIND_NAMES = {
-    "gloo.bpf.c": ("gloo_kind", {"GLOO_PG_INIT": gloo.PG_INIT, "GLOO_WORK_INIT": gloo.WORK_INIT,
-                                 "GLOO_WORK_START": gloo.WORK_START, "GLOO_WORK_END": gloo.WORK_END,
-                                 "GLOO_P2P": gloo.P2P_REC, "GLOO_PAIR_FAIL": gloo.PAIR_FAIL,
-                                 "GLOO_P2P_END": gloo.P2P_END, "GLOO_PG_NAME": gloo.PG_NAME}),
+    "gloo.bpf.c": ("gloo_kind", {"GLOO_PG_INIT": gloo_records.PG_INIT, "GLOO_WORK_INIT": gloo_records.WORK_INIT,
+                                 "GLOO_WORK_START": gloo_records.WORK_START, "GLOO_WORK_END": gloo_records.WORK_END,
+                                 "GLOO_P2P": gloo_records.P2P_REC, "GLOO_PAIR_FAIL": gloo_records.PAIR_FAIL,
+                                 "GLOO_P2P_END": gloo_records.P2P_END, "GLOO_PG_NAME": gloo_records.PG_NAME}),
     "nccl.bpf.c": ("nccl_kind", {"NCCL_COLL": nccl.COLL, "NCCL_P2P": nccl.P2P_REC, "NCCL_GROUP": nccl.GROUP,
                                  "NCCL_COMM_INIT": nccl.COMM_INIT, "NCCL_COMM_END": nccl.COMM_END}),
 }

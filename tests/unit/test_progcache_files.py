@@ -19,11 +19,11 @@ def test_the_key_changes_with_the_text_the_cflags_and_the_kernels_name(tmp_path)
 
 
 def test_every_family_is_keyed_by_its_own_source():
-    from ccld.tracer.agent import _families
-    keys = {fam.NAME: fam.cache_key() for fam, _ in _families(lambda e: None)}
+    from ccld.tracer.families import build_families
+    keys = {fam.NAME: fam.cache_key() for fam, _ in build_families(lambda e: None)}
     assert set(keys) == set(progcache.PROGRAMS)
     assert len(set(keys.values())) == len(keys)
-    for fam, _ in _families(lambda e: None):  # what ccld run preloads is what the family would load
+    for fam, _ in build_families(lambda e: None):  # what ccld run preloads is what the family would load
         source, kernel = progcache.PROGRAMS[fam.NAME]
         assert (fam.SOURCE, tuple(fam.KERNEL_CFLAGS)) == (source, kernel)
         assert progcache.program_key(source, progcache.default_cflags(fam.NAME), kernel) == fam.cache_key()

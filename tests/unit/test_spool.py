@@ -1,6 +1,6 @@
-"""The agent's spool (ccld/tracer/spool.py, spool_dir.py, spool_records.py): order, bounds,
-acknowledged release, replay, reading back a spool left by an earlier run, damaged or not, and the
-files it holds open. Real files in tmp_path; no sockets."""
+"""The agent's spool (ccld/tracer/spool.py, spool_segment.py, spool_dir.py, spool_records.py): order,
+bounds, acknowledged release, replay, reading back a spool left by an earlier run, damaged or not, and
+the files it holds open. Real files in tmp_path; no sockets."""
 import errno
 import os
 import resource
@@ -9,6 +9,7 @@ import pytest
 
 from ccld import wire as ev
 from ccld.tracer import spool as sp
+from ccld.tracer.spool_segment import TAIL_CACHE_FRAMES
 
 pytestmark = pytest.mark.unit
 
@@ -287,7 +288,7 @@ def test_memory_full_after_a_disk_error_drops_the_new_frame_not_the_disk_backlog
 def test_a_frame_that_cannot_be_read_back_is_counted_once_and_let_go(tmp_path):
     s = open_spool(tmp_path / "spool")
     s.retain = True
-    n = sp.TAIL_CACHE_FRAMES + 5  # the oldest five are read back from the file, not from the tail cache
+    n = TAIL_CACHE_FRAMES + 5  # the oldest five are read back from the file, not from the tail cache
     fill(s, range(1, n + 1))
     seg = s._segs[0]
     os.truncate(seg.path, seg.offsets[2])  # frames 3 on cut off under the agent

@@ -10,6 +10,7 @@ import pytest
 from ccld import store as st
 from ccld import wire as ev
 from ccld.errors import CcldError
+from ccld.store.layout import RECORD_MAGIC
 
 pytestmark = pytest.mark.unit
 
@@ -217,7 +218,7 @@ def test_length_blown_up_in_the_middle_resyncs(tmp_path):
 
 def test_a_frame_that_contains_the_marker_is_not_mistaken_for_a_record(tmp_path):
     d = str(tmp_path / "s")
-    fake = b"\x00" * 7 + st.RECORD_MAGIC + b"\x00\x00\x00\x05" + b"\x01" * 30
+    fake = b"\x00" * 7 + RECORD_MAGIC + b"\x00\x00\x00\x05" + b"\x01" * 30
     w = st.StoreWriter(d)
     for i in range(5):
         w.append(fake if i == 2 else b"frame %d" % i, float(i))

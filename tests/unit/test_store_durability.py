@@ -15,6 +15,8 @@ import pytest
 
 from ccld import store as st
 from ccld import wire as ev
+from ccld.store import writer as store_writer
+from ccld.store.layout import RECORD_HEADER, RECORD_MAGIC
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "bench"))
@@ -22,7 +24,7 @@ from store_bench import corrupt  # noqa: E402  (the same corruption generator as
 
 pytestmark = pytest.mark.unit
 
-HDR = st.RECORD_HEADER.size  # 20
+HDR = RECORD_HEADER.size  # 20
 
 
 def frame(i):
@@ -32,7 +34,7 @@ def frame(i):
 def test_counters_follow_flush_and_fsync(tmp_path, monkeypatch):
     synced = []
     real_fsync = os.fsync
-    monkeypatch.setattr(st.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
     now = [0.0]
     d = str(tmp_path / "s")
     w = st.StoreWriter(d, clock=lambda: now[0])
@@ -70,7 +72,7 @@ def test_without_fsync_only_close_makes_records_durable(tmp_path):
 
 
 def test_pending_bytes_are_bounded_between_flushes(tmp_path, monkeypatch):
-    monkeypatch.setattr(st, "WRITE_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(store_writer, "WRITE_CHUNK_BYTES", 1000)
     now = [0.0]
     d = str(tmp_path / "s")
     w = st.StoreWriter(d, clock=lambda: now[0])  # the clock never moves: no interval flush
@@ -84,7 +86,7 @@ def test_pending_bytes_are_bounded_between_flushes(tmp_path, monkeypatch):
 def test_a_failing_disk_loses_no_accepted_frame(tmp_path, monkeypatch):
     """write() fails (ENOSPC) after a partial write: the frame that needed the room is refused (the
     collector counts it), the partial bytes are completed later, so the segment stays clean."""
-    monkeypatch.setattr(st, "WRITE_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(store_writer, "WRITE_CHUNK_BYTES", 1000)
     real_write = os.write
     plan = []
 
@@ -96,7 +98,7 @@ def test_a_failing_disk_loses_no_accepted_frame(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
-    monkeypatch.setattr(st.os, "write", write)
+    monkeypatch.setattr(os, "write", write)
     d = str(tmp_path / "s")
     w = st.StoreWriter(d, clock=lambda: 0.0)
     accepted = []
@@ -185,7 +187,7 @@ def sweep_store(d):
     for i in range(40):
         f = frame(i) + b"p" * (i * 7 % 50)
         if i in (9, 27):
-            f = b"\x00" + st.RECORD_MAGIC + struct.pack(">Id", 3, 1.0) + b"\x00" * 24 + f
+            f = b"\x00" + RECORD_MAGIC + struct.pack(">Id", 3, 1.0) + b"\x00" * 24 + f
         frames.append(f)
         w.append(f, 500.0 + i)
     w.close()
