@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 
 from ccld import wire as ev  # noqa: E402
 from ccld.timeline.timeline import Timeline  # noqa: E402
-from ccld.diagnose import Diagnoser, links  # noqa: E402
+from ccld.diagnose import Diagnoser, commslow  # noqa: E402
 from results import write_section  # noqa: E402
 
 RANKS_PER_NODE = 8      # one agent and one node-local communicator per 8 ranks, as on a GPU node
@@ -293,7 +293,7 @@ def tick_cost(ranks: int, say) -> Dict[str, Any]:
     build = time.perf_counter() - build
     d = Diagnoser(c.tl)
     spent: List[float] = []
-    real = links.find_comm_slow
+    real = commslow.find_comm_slow
 
     def timed(tl, now):  # the link localiser's share of each tick (it keeps state: timing it apart would lie)
         x = time.perf_counter()
@@ -301,7 +301,7 @@ def tick_cost(ranks: int, say) -> Dict[str, Any]:
             return real(tl, now)
         finally:
             spent.append(time.perf_counter() - x)
-    links.find_comm_slow = timed
+    commslow.find_comm_slow = timed
     gc.collect()
     first = time.perf_counter()
     d.diagnose(t)
@@ -326,7 +326,7 @@ def tick_cost(ranks: int, say) -> Dict[str, Any]:
         (hang if open_one else steady).append((total, sum(spent), cpu))
         found |= {(f.kind, f.cls) for f in out}
         t += PERIOD_S
-    links.find_comm_slow = real
+    commslow.find_comm_slow = real
 
     def ms(xs, i, f=statistics.median):
         return f([x[i] for x in xs]) * 1e3
@@ -350,7 +350,7 @@ def tick_md(rows: List[Dict[str, Any]], cmd: str) -> str:
            "the world collective left open by one missing rank. Goals: <= 20 ms at 4,096 ranks, <= 100 ms at "
            "16,384.", "",
            "| ranks | communicators | first tick (cold caches) | tick, median / max | CPU per tick, median / max "
-           "| of which comm-slow localiser (links.py) / the other detectors | ticks with a hang open, median / max "
+           "| of which comm-slow localiser (commslow.py) / the other detectors | ticks with a hang open, median / max "
            "| CPU, median / max | findings |",
            "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:

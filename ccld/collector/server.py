@@ -32,7 +32,7 @@ from ccld.collector.timesvc import start_time_service
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import Finding, format_line
 from ccld.diagnose.tracker import FindingTracker
-from ccld.diagnose.hang import AGENT_SILENT_S
+from ccld.diagnose.thresholds import AGENT_SILENT_S
 from ccld.diagnose.stack import StackTaker
 from ccld.errors import CcldError
 from ccld.security import ServerKeys, check_listen, secure_server

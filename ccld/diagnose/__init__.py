@@ -6,13 +6,13 @@ and combining what they say:
                      or recv whose peer never posts its side, or that is stuck), each blaming the
                      heads of the chains of waits (waits.py), one finding per job and culprits;
                      inconsistent.py's findings in front of the hangs they explain, and
-                     links.find_link_faults replacing a hang it pins on a link (TCP), and
+                     linkfaults.find_link_faults replacing a hang it pins on a link (TCP), and
                      nccllinks.py one it pins on an NCCL link (the profiler plugin's progress);
   find_inconsistent  inconsistent.py (different ops/sizes at one (comm, seq), diverged sequences);
   find_slow          slow.py (comp-slow: late arrivals, ranks slow together named as one), compute.py
                      (comp-slow: compute durations longer than the peers', put beside a late-arrival
                      finding of the same ranks), busy.py (comp-slow: a rank whose own work
-                     grew while the others wait longer, e.g. a pipeline stage), links.find_comm_slow
+                     grew while the others wait longer, e.g. a pipeline stage), commslow.find_comm_slow
                      and p2pslow.py (comm-slow: collectives, or one stream's p2p transfers); a
                      comm-slow whose cause is one rank's CPU (its runqueue wait stands out) is a
                      comp-slow of that rank; comp- and comm-slow on one communicator are one
@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from ccld.diagnose import busy, compute, hang, inconsistent, links, p2phang, p2pslow, nccllinks, slow, waits
+from ccld.diagnose import (activity, busy, commslow, compute, hang, inconsistent, linkfaults, p2phang, p2pslow,
+                           nccllinks, slow, thresholds, waits)
 from ccld.diagnose.findings import Finding
 
 COMM_SLOW_HOLD_S = 5.0  # a comm-slow finding must hold this long (see Diagnoser._held); slowdowns have 60 s
@@ -79,9 +80,9 @@ def mix(comp: List[Finding], comm: List[Finding]) -> List[Finding]:
 
 
 class Diagnoser:
-    def __init__(self, timeline, floor_s: Optional[float] = None, k: float = hang.K, stacks=None):
+    def __init__(self, timeline, floor_s: Optional[float] = None, k: float = thresholds.K, stacks=None):
         """floor_s: the shortest wait called a hang, fixed; None (the default) lets it follow the job
-        (hang.floor_for)."""
+        (thresholds.floor_for)."""
         self.timeline = timeline
         self.floor_s = floor_s
         self.k = k
@@ -92,7 +93,7 @@ class Diagnoser:
         self._busy = busy.BusyDetector()
         self._p2p_slow = p2pslow.P2PSlowDetector()
         self._comm_slow_since: Dict[Tuple, float] = {}  # comm-slow findings being held: since when
-        self._activity = hang.Activity()
+        self._activity = activity.Activity()
         self._pass: Optional[Tuple[float, List[Finding]]] = None  # hang.check_all of the latest `now`
 
     def _hang_pass(self, now: float) -> List[Finding]:
@@ -114,7 +115,7 @@ class Diagnoser:
         incs = self.find_inconsistent(now)
         hangs = [h for h in self._hang_pass(now)
                  if h.kind == "hang" and not any(inconsistent.explains(i, h) or self._stuck_in(i, h) for i in incs)]
-        refined = links.find_link_faults(self.timeline, now, hangs)
+        refined = linkfaults.find_link_faults(self.timeline, now, hangs)
         replaced = {(f.comm, f.seq) for f in refined}
         refined += nccllinks.find_proxy_faults(self.timeline, now, [h for h in hangs if (h.comm, h.seq) not in replaced])
         replaced = {(f.comm, f.seq) for f in refined}
@@ -155,7 +156,7 @@ class Diagnoser:
                 spread.append(f)
             else:
                 late = compute.beside(f, late)
-        coll_slow = links.find_comm_slow(self.timeline, now)
+        coll_slow = commslow.find_comm_slow(self.timeline, now)
         said = {(f.job, tuple(f.ranks), tuple(f.link or ())) for f in coll_slow}
         coll_slow += [f for f in self._p2p_slow.find(self.timeline, now)
                       if (f.job, tuple(f.ranks), tuple(f.link or ())) not in said]

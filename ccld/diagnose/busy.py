@@ -29,8 +29,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ccld.diagnose.evidence import EVIDENCE_RANKS, rank_evidence
 from ccld.diagnose.findings import Finding
-from ccld.diagnose.hang import EVIDENCE_RANKS, rank_evidence
 from ccld.diagnose.slow import _cause
 from ccld.timeline.blocked import BUCKET_S, JobBlocked
 from ccld.timeline.timeline import Comm, Timeline

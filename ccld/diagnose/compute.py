@@ -31,8 +31,8 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 from ccld.diagnose.busy import home_comm
 from ccld.diagnose.episodes import (MIN_COLLS, MIN_LATE, CollSummary, bucket, judge, notable, ranks_words,
                                     spread_finding, summarize_values)
+from ccld.diagnose.evidence import EVIDENCE_RANKS
 from ccld.diagnose.findings import Finding
-from ccld.diagnose.hang import EVIDENCE_RANKS
 from ccld.diagnose.slow import WINDOW_S
 from ccld.timeline.compute import ComputeOp
 from ccld.timeline.timeline import Timeline

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.frdump import Dump, Entry, read_dir
 
-FLOOR_S = 5.0   # as hang.FLOOR_S: an open collective this young at dump time may just be in flight
+FLOOR_S = 5.0   # as thresholds.FLOOR_S: an open collective this young at dump time may just be in flight
 # Ops whose sizes and dtypes are the same on every rank (gather/scatter/alltoall differ by design).
 SIZED_OPS = {"allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
              "allgather_into_tensor_coalesced", "reduce_scatter", "_reduce_scatter_base",

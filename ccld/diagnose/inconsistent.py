@@ -24,8 +24,8 @@ import collections
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ccld.timeline.timeline import Comm, CollView, Timeline
+from ccld.diagnose.evidence import EVIDENCE_RANKS, rank_evidence
 from ccld.diagnose.findings import Finding
-from ccld.diagnose.hang import EVIDENCE_RANKS, rank_evidence
 
 WINDOW = 8            # newest collectives of a communicator checked every tick (older ones completed)
 GRACE_S = 1.0         # judge a collective not everyone entered only after this long: agents ship every 100 ms

@@ -13,7 +13,7 @@ steps in flight and has not moved since the hang began is named (`fault`, the li
 when several such links share one rank, that rank is named (its NIC, its host); when they share
 none, nothing is said (a fabric-wide problem is not one link).
 
-proxy_suspects: while collectives of a communicator are slow (links.find_comm_slow asks when TCP
+proxy_suspects: while collectives of a communicator are slow (commslow.find_comm_slow asks when TCP
 shows nothing: NCCL over InfiniBand/RoCE bypasses the kernel), the link whose sender's steps wait on
 the network far longer per step than they did before the slowdown, by far more than the other links
 of the communicator departed from theirs. Steps of the links behind a slow one wait on their GPU
@@ -26,7 +26,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Dict, List, Tuple
 
-from ccld.diagnose import links as tcp  # its naming of suspect pairs (module object: links imports this one)
+from ccld.diagnose import links as tcp  # its naming of suspect pairs
 from ccld.diagnose.findings import Finding
 from ccld.timeline.netprog import LinkProgress
 from ccld.timeline.timeline import Timeline

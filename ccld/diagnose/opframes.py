@@ -47,7 +47,7 @@ from ccld.diagnose.optable import DEFAULT_GROUP, OpsTable, Row, read_table
 from ccld.store import StoreWriter
 
 SHIP_S = 0.1          # a frame per 100 ms of table time, as an agent ships (the detectors tick every 0.5 s)
-HEARTBEAT_S = 1.0     # and one at least this often: an agent 3 s without a frame is silent (hang.AGENT_SILENT_S)
+HEARTBEAT_S = 1.0     # and one at least this often: an agent 3 s without a frame is silent (thresholds.AGENT_SILENT_S)
 FRAME_EVENTS = 2048   # events per frame at most (the agent's MAX_BATCH)
 UNIX_AFTER = 1e9      # a start from this on (2001-09-09) is Unix seconds; below it, seconds from any origin
 PID_BASE = 1_000_000  # rank r's synthetic pid (no process behind it)

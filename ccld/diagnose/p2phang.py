@@ -2,14 +2,14 @@
 
 For each rank whose blocking operation (waits.blocked) is a p2p op and has lasted longer than
 max(floor, k x the longest wait of a p2p op completed on that communicator in the last hour), the
-floor as hang.floor_for says (FLOOR_S, lowered once the stream has LEARN_S of history):
+floor as thresholds.floor_for says (FLOOR_S, lowered once the stream has LEARN_S of history):
   - the peer has not posted its side -> `not-entered`, naming the heads of the chain the peer starts
     (the peer itself when it is not waiting on anyone; the stage at the front of a pipeline whose
     stages wait on each other), `fault` when those are stopped or dead, and an informational pause
     (`comp-slow`, as hang.py's) while they are working (CPU or disk) and the wait is under
     max(BUSY_FLOOR_S, k x the learned peak);
   - the peer has posted its side too, and neither is over -> `fault` of the pair: the transfer itself
-    is stuck (a link, a stopped side); `link` is the pair (links.find_link_faults may sharpen it).
+    is stuck (a link, a stopped side); `link` is the pair (linkfaults.find_link_faults may sharpen it).
 A rank that is stopped or has exited waits for nothing (its open ops are not waits). Ops that ended in
 an error (gloo: the peer's connection broke) in the last FAILED_WINDOW_S make a `fault` once
 FAILED_GRACE_S passed after the first: the peers they were with that are dead or stopped, else the
@@ -25,9 +25,11 @@ from typing import Any, Dict, List, Optional
 from ccld.timeline.timeline import Comm, Timeline
 from ccld.diagnose import waits
 from ccld.diagnose.findings import Finding
-from ccld.diagnose.hang import (BUSY_FLOOR_S, EVIDENCE_RANKS, FAILED_GRACE_S, K, Activity, Blindness, _dead,
-                                _summary, _why_dead, _working, crashed, died_first, floor_for, job_stopped,
-                                rank_evidence)
+from ccld.diagnose.activity import Activity, _working
+from ccld.diagnose.deaths import _dead, _why_dead, crashed, died_first, job_stopped
+from ccld.diagnose.evidence import EVIDENCE_RANKS, _summary, rank_evidence
+from ccld.diagnose.hang import FAILED_GRACE_S
+from ccld.diagnose.thresholds import BUSY_FLOOR_S, K, Blindness, floor_for
 
 FAILED_WINDOW_S = 60.0  # failed ops this recent make a fault (a restarted job's old failures fall out)
 
@@ -81,7 +83,7 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
 
 
 def _crashed_peers(tl: Timeline, comm: Comm, now: float) -> Optional[Finding]:
-    """A rank killed (hang.crashed) while others had sends or receives open with it: named at once (the
+    """A rank killed (deaths.crashed) while others had sends or receives open with it: named at once (the
     launcher stops the others within ~0.1 s, before the library reports an error or any threshold)."""
     gone = set(crashed(tl, comm, tl.expected_members(comm.id)))
     if not gone:

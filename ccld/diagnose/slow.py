@@ -46,8 +46,8 @@ import numpy as np
 from ccld.timeline.timeline import Comm, CollView, Timeline
 from ccld.diagnose.episodes import (MIN_COLLS, MIN_LATE, CollSummary, bucket, judge, notable,
                                     ranks_words, spread_finding, summarize_values)
+from ccld.diagnose.evidence import EVIDENCE_RANKS, rank_evidence
 from ccld.diagnose.findings import Finding, short_comm
-from ccld.diagnose.hang import EVIDENCE_RANKS, rank_evidence
 
 WINDOW_S = 30.0          # lateness is judged over the collectives completed in the last 30 s
 MAX_SCAN = 2048          # newest collectives of a communicator looked at per tick (bounds a fast job)

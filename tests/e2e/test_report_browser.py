@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from ccld.export import report as rp
+from ccld.export import report_plots as rpl
 
 from test_report import HUNG_SEQ, SLOW_RANK, Page, cell_centre, decode_png, hang_store, rgb
 
@@ -105,7 +106,7 @@ def test_report_renders_in_chromium_without_console_errors(browser, tmp_path):
     heat = summary["heatmap"]
     x0, y0, x1, y1 = heat["box"]
     cell_w, cell_h = (x1 - x0) / len(heat["seqs"]), (y1 - y0) / len(heat["ranks"])
-    assert count(rgb(rp.MISSING_COLOUR)) >= 0.8 * cell_w * cell_h, "hung rank's cell is not on screen"
+    assert count(rgb(rpl.MISSING_COLOUR)) >= 0.8 * cell_w * cell_h, "hung rank's cell is not on screen"
     html_img = Page(page.read_text()).img("heatmap")
     hot = decode_png(html_img).getpixel(cell_centre(html_img, SLOW_RANK, HUNG_SEQ - 1))
     assert count(hot) >= 0.8 * (x1 - x0) * cell_h * (HUNG_SEQ - 1) / HUNG_SEQ, "straggler row not on screen"

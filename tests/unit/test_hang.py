@@ -322,16 +322,16 @@ def test_two_subgroups_waiting_on_each_other_is_a_deadlock_on_both():
 
 
 def test_what_a_missing_rank_does_io_and_sleeping():
-    from ccld.diagnose import hang
+    from ccld.diagnose import thresholds
     job, tl, t = rank2_missing_57(state="D", wchan="folio_wait_bit")
     # disk I/O is work (a checkpoint to slow storage looks like this): a pause first ...
     assert hangs(tl, t + 6.2) == []
     (p,) = Diagnoser(tl).find_slow(t + 6.2)
     assert p.evidence["informational"] and p.evidence["ranks"][0]["doing"] == "io"
     # ... a hang when it lasts far longer than the job has ever waited
-    for i in range(4, int(hang.BUSY_FLOOR_S) + 2):  # agents keep sending (heartbeat frames)
+    for i in range(4, int(thresholds.BUSY_FLOOR_S) + 2):  # agents keep sending (heartbeat frames)
         job.feed(tl, t + i)
-    (f,) = hangs(tl, t + hang.BUSY_FLOOR_S + 1)
+    (f,) = hangs(tl, t + thresholds.BUSY_FLOOR_S + 1)
     d = f.evidence["ranks"][0]
     assert (f.cls, d["doing"], d["doing_text"]) == ("not-entered", "io", "blocked in I/O (folio_wait_bit)")
     assert "wait_chains" not in f.evidence
@@ -365,17 +365,17 @@ def test_a_checkpoint_that_alternates_cpu_disk_and_short_sleeps_stays_a_pause():
 
 
 def test_a_busy_rank_is_a_pause_not_a_hang_until_far_beyond():
-    from ccld.diagnose import hang
+    from ccld.diagnose import thresholds
     job, tl, t = busy_rank0(20)
     d = Diagnoser(tl)
     assert d.find_hangs(t + 20) == []
     (p,) = d.find_slow(t + 20)
     assert (p.kind, p.cls, p.ranks, p.seq) == ("slow", "comp-slow", [0], 57)
     assert p.evidence["informational"] is True and p.evidence["reason"] == "pause"
-    assert p.evidence["ranks"][0]["doing"] == "busy" and p.evidence["hang_after_s"] == hang.BUSY_FLOOR_S
+    assert p.evidence["ranks"][0]["doing"] == "busy" and p.evidence["hang_after_s"] == thresholds.BUSY_FLOOR_S
     assert format_line(p).startswith("INFO comp-slow") and "not a hang" in format_line(p)
-    job, tl, t = busy_rank0(hang.BUSY_FLOOR_S + 2)
-    (f,) = hangs(tl, t + hang.BUSY_FLOOR_S + 2)
+    job, tl, t = busy_rank0(thresholds.BUSY_FLOOR_S + 2)
+    (f,) = hangs(tl, t + thresholds.BUSY_FLOOR_S + 2)
     assert (f.cls, f.ranks, f.evidence["ranks"][0]["doing"]) == ("not-entered", [0], "busy")
     # a sleeping rank is not given that grace
     job, tl, t = busy_rank0(8, cpu_share=0.0)
@@ -589,3 +589,4 @@ def test_hangs_behind_an_inconsistent_collective_of_another_group_are_that_one_p
     got = hangs(tl, t + 6.5)
     assert [(f.cls, f.ranks, f.comm) for f in got] == [("inconsistent", [3], sub)], \
         [(f.cls, f.ranks, f.comm) for f in got]
+

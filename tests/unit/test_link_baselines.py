@@ -12,6 +12,7 @@ import pytest
 
 from ccld.timeline import links as lk
 from ccld.timeline.timeline import Timeline
+from ccld.diagnose import commslow
 from ccld.diagnose import links as dl
 from ccld_synth import T0, SynthJob, SynthLinks
 
@@ -49,11 +50,11 @@ def run(rtt, retrans=None, healthy_s=30.0, slow_s=12.0, slow_dur=0.060, world=4,
             seq, t = seq + 1, t + 0.1 + dur
             if t >= next_tick:
                 job.feed(tl, t)
-                found += dl.find_comm_slow(tl, t)
+                found += commslow.find_comm_slow(tl, t)
                 next_tick += TICK_S
         start = stop
     job.feed(tl, t)
-    found += dl.find_comm_slow(tl, t)
+    found += commslow.find_comm_slow(tl, t)
     return found, tl
 
 

@@ -4,8 +4,7 @@ import pytest
 from ccld import wire as ev
 from ccld.timeline import links as lk
 from ccld.timeline.timeline import Timeline
-from ccld.diagnose import hang
-from ccld.diagnose import links as dl
+from ccld.diagnose import commslow, hang, linkfaults
 from ccld_synth import T0, SynthJob, SynthLinks, rank_ip, rank_port
 
 
@@ -106,11 +105,11 @@ def test_a_hang_with_one_link_retransmitting_is_a_fault_of_that_link():
     tl, now = hung_job(retrans={(1, 2): 1})
     hangs = hang.find_hangs(tl, now)
     assert [h.evidence["reason"] for h in hangs] == ["not-finished"]  # every rank waits: no culprit
-    got = dl.find_link_faults(tl, now, hangs)
+    got = linkfaults.find_link_faults(tl, now, hangs)
     assert len(got) == 1
     f = got[0]
     assert (f.kind, f.cls, f.ranks, f.link) == ("hang", "fault", [1, 2], [1, 2])
-    assert f.evidence["pairs"][0]["retrans"] >= dl.MIN_LINK_RETRANS and f.evidence["others_max_retrans"] == 0
+    assert f.evidence["pairs"][0]["retrans"] >= linkfaults.MIN_LINK_RETRANS and f.evidence["others_max_retrans"] == 0
     assert f.seq == hangs[0].seq and f.evidence["hang_reason"] == "not-finished"
 
 
@@ -126,19 +125,19 @@ def test_a_rank_that_never_entered_is_not_explained_by_a_retransmitting_link():
     job.feed(tl, now)
     hangs = hang.find_hangs(tl, now)
     assert [(h.cls, h.ranks) for h in hangs] == [("not-entered", [2])]
-    assert dl.find_link_faults(tl, now, hangs) == []
+    assert linkfaults.find_link_faults(tl, now, hangs) == []
 
 
 def test_retransmissions_everywhere_name_no_link():
     tl, now = hung_job(retrans={(r, (r + 1) % 4): 1 for r in range(4)})
     hangs = hang.find_hangs(tl, now)
-    assert len(hangs) == 1 and dl.find_link_faults(tl, now, hangs) == []
+    assert len(hangs) == 1 and linkfaults.find_link_faults(tl, now, hangs) == []
 
 
 def test_a_quiet_hang_names_no_link():
     tl, now = hung_job(retrans=None)
     hangs = hang.find_hangs(tl, now)
-    assert len(hangs) == 1 and dl.find_link_faults(tl, now, hangs) == []
+    assert len(hangs) == 1 and linkfaults.find_link_faults(tl, now, hangs) == []
 
 
 def slow_job(srtt=None, retrans=None, late=None, slow_dur=0.060, healthy_s=30.0, slow_s=12.0, extra=(),
@@ -171,51 +170,51 @@ def slow_job(srtt=None, retrans=None, late=None, slow_dur=0.060, healthy_s=30.0,
 
 def test_a_crawling_link_is_named_by_its_rtt():
     tl, now = slow_job(srtt={(2, 3): 25_000})
-    got = dl.find_comm_slow(tl, now)
+    got = commslow.find_comm_slow(tl, now)
     assert len(got) == 1
     f = got[0]
     assert (f.kind, f.cls, f.ranks, f.link, f.seq) == ("slow", "comm-slow", [2, 3], [2, 3], -1)
-    assert f.evidence["localised_by"] == "rtt" and f.evidence["slowdown"] >= dl.SLOW_FACTOR
+    assert f.evidence["localised_by"] == "rtt" and f.evidence["slowdown"] >= commslow.SLOW_FACTOR
     assert f.evidence["pairs"][0]["srtt_mean_us"] == pytest.approx(25_000)
     assert f.evidence["job_median_rtt_us"] == pytest.approx(50)
 
 
 def test_a_lossy_link_is_named_by_its_retransmissions():
     tl, now = slow_job(retrans={(0, 1): 2})
-    (f,) = dl.find_comm_slow(tl, now)
+    (f,) = commslow.find_comm_slow(tl, now)
     assert (f.ranks, f.link, f.evidence["localised_by"]) == ([0, 1], [0, 1], "retransmissions")
 
 
 def test_every_link_of_one_rank_slow_names_that_rank():
     # Rank 1 sends to 2 (ring) and to 0 (extra); both of its links crawl, nobody else's do.
     tl, now = slow_job(srtt={(1, 2): 30_000, (1, 0): 30_000}, extra=[(1, 0)])
-    (f,) = dl.find_comm_slow(tl, now)
+    (f,) = commslow.find_comm_slow(tl, now)
     assert (f.ranks, f.link) == ([1], None)
     assert sorted((p["src"], p["dst"]) for p in f.evidence["pairs"]) == [(1, 0), (1, 2)]
 
 
 def test_healthy_and_late_arrival_jobs_are_not_comm_slow():
     tl, now = slow_job(slow_dur=0.003)
-    assert dl.find_comm_slow(tl, now) == []
+    assert commslow.find_comm_slow(tl, now) == []
     # Slow because one rank arrives late (compute), not because the collective itself is slow.
     tl, now = slow_job(slow_dur=0.003, late={3: 0.080})
-    assert dl.find_comm_slow(tl, now) == []
+    assert commslow.find_comm_slow(tl, now) == []
 
 
 def test_a_slowdown_without_link_data_says_so():
     tl, now = slow_job(srtt={(r, (r + 1) % 4): 50 for r in range(4)})
-    (f,) = dl.find_comm_slow(tl, now)
+    (f,) = commslow.find_comm_slow(tl, now)
     assert f.ranks == [] and f.link is None and "no link stands out" in f.evidence["note"]
 
 
 def test_a_heavy_tail_of_retransmission_stalls_is_slow_even_when_the_median_is_not():
     # 1 collective in 8 waits out a 200 ms RTO; the rest run at normal speed, so the median is fine.
     tl, now = slow_job(slow_dur=0.003, stall_every=8, retrans={(2, 3): 1})
-    (f,) = dl.find_comm_slow(tl, now)
+    (f,) = commslow.find_comm_slow(tl, now)
     assert f.evidence["judged_by"] == "tail" and (f.ranks, f.link) == ([2, 3], [2, 3])
     # The same tail at 1 in 40 is noise, not a finding.
     tl, now = slow_job(slow_dur=0.003, stall_every=40, retrans={(2, 3): 1})
-    assert dl.find_comm_slow(tl, now) == []
+    assert commslow.find_comm_slow(tl, now) == []
 
 
 def test_ccld_links_prints_the_table_of_a_store(tmp_path, capsys):

@@ -3,8 +3,7 @@ stalled-link fault and the slow link found by network wait per step, on syntheti
 import pytest
 
 from ccld import wire as ev
-from ccld.diagnose import Diagnoser, hang, nccllinks
-from ccld.diagnose import links as dl
+from ccld.diagnose import Diagnoser, commslow, hang, nccllinks
 from ccld.timeline.timeline import Timeline
 from ccld_synth import T0, SynthJob
 
@@ -147,7 +146,7 @@ def slow_job(slow=None, slow_dur=0.060, healthy_s=30.0, slow_s=12.0):
 
 def test_a_crawling_nccl_link_is_named_by_its_network_wait_per_step():
     tl, now = slow_job(slow={(2, 3): 0.014})
-    (f,) = dl.find_comm_slow(tl, now)
+    (f,) = commslow.find_comm_slow(tl, now)
     assert (f.cls, f.ranks, f.link) == ("comm-slow", [2, 3], [2, 3])
     assert f.evidence["localised_by"] == "nccl-proxy"
     assert f.evidence["nccl_links"]["2->3"]["x"] >= nccllinks.WAIT_FACTOR
@@ -156,5 +155,5 @@ def test_a_crawling_nccl_link_is_named_by_its_network_wait_per_step():
 
 def test_every_link_waiting_longer_alike_names_none():
     tl, now = slow_job(slow={(r, (r + 1) % 4): 0.014 for r in range(4)})
-    (f,) = dl.find_comm_slow(tl, now)
+    (f,) = commslow.find_comm_slow(tl, now)
     assert f.ranks == [] and f.link is None and f.evidence["localised_by"] is None

@@ -13,6 +13,8 @@ from ccld.cli import main
 from ccld.store import StoreWriter
 from ccld.export import report as rp
 from ccld.export import report_links as rl
+from ccld.export import report_plots as rpl
+from ccld.export import report_sections as rs
 
 from ccld_synth import T0, SynthJob
 
@@ -122,8 +124,8 @@ def test_report_is_one_self_contained_file(made):
         for name in ("src", "href", "srcset", "data", "action", "poster"):
             v = attrs.get(name)
             if v is not None:  # nothing the browser would fetch: inline data, in-page anchors, one plain link
-                assert v.startswith(("data:", "#")) or (tag == "a" and v == rp.PERFETTO_UI), (tag, name, v)
-    assert set(re.findall(r"https?://[^\s\"'<>)]+", text)) == {rp.PERFETTO_UI}
+                assert v.startswith(("data:", "#")) or (tag == "a" and v == rs.PERFETTO_UI), (tag, name, v)
+    assert set(re.findall(r"https?://[^\s\"'<>)]+", text)) == {rs.PERFETTO_UI}
     assert "<script" not in text and "url(" not in text and "@import" not in text
     assert "default-src 'none'" in text  # and the CSP forbids fetching anything anyway
     assert made.progress[0].startswith("replaying") and made.progress[-1].startswith("wrote")
@@ -151,8 +153,8 @@ def test_heatmap_png_has_the_drawn_size_and_the_missing_cell(made):
     heat = made.summary["heatmap"]
     assert png.size == (int(img["width"]), int(img["height"])) == (heat["width"], heat["height"])
     assert heat["ranks"] == [0, 1, 2, 3] and heat["seqs"] == list(range(1, HUNG_SEQ + 1))
-    assert img["data-missing-colour"] == rp.MISSING_COLOUR
-    missing = rgb(rp.MISSING_COLOUR)
+    assert img["data-missing-colour"] == rpl.MISSING_COLOUR
+    missing = rgb(rpl.MISSING_COLOUR)
     assert png.getpixel(cell_centre(img, 2, HUNG_SEQ)) == missing  # the hung rank's cell
     for r in (0, 1, 3):
         assert png.getpixel(cell_centre(img, r, HUNG_SEQ)) != missing
@@ -172,7 +174,7 @@ def test_heatmap_is_bounded_to_the_newest_collectives(made, tmp_path):
     lag = np.zeros((1000, 5))
     lag[7, 4] = np.nan      # a rank that never entered one
     lag[500, :] = 90.0      # a straggler
-    rows = rp._pick_rows(ranks, lag, keep=[999], most=3)
+    rows = rpl._pick_rows(ranks, lag, keep=[999], most=3)
     assert rows == [7, 500, 999]
 
 
@@ -213,8 +215,8 @@ def test_report_verb(made, tmp_path, capsys):
 
 def test_big_job_is_drawn_within_bounds(tmp_path, monkeypatch):
     """More ranks, collectives and lines than the bounds: the newest/most telling are drawn, all fast."""
-    monkeypatch.setattr(rp, "MAX_HEATMAP_RANKS", 8)
-    monkeypatch.setattr(rp, "MAX_LINE_POINTS", 50)
+    monkeypatch.setattr(rpl, "MAX_HEATMAP_RANKS", 8)
+    monkeypatch.setattr(rpl, "MAX_LINE_POINTS", 50)
     job = SynthJob(world=20, nodes=2)
     job.announce(T0)
     t, out = T0 + 1, []
@@ -235,7 +237,7 @@ def test_big_job_is_drawn_within_bounds(tmp_path, monkeypatch):
     assert len(heat["ranks"]) == 8 and {13, 17} <= set(heat["ranks"])  # the culprit and the straggler
     page = Page((tmp_path / "r.html").read_text())
     png = decode_png(page.img("heatmap"))
-    assert png.getpixel(cell_centre(page.img("heatmap"), 17, 241)) == rgb(rp.MISSING_COLOUR)
+    assert png.getpixel(cell_centre(page.img("heatmap"), 17, 241)) == rgb(rpl.MISSING_COLOUR)
     assert "Lines for 12 of 20 ranks" in " ".join(page.text)
 
 

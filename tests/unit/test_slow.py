@@ -6,7 +6,7 @@ import pytest
 
 from ccld import wire as ev
 from ccld.timeline.timeline import Timeline
-from ccld.diagnose import Diagnoser, links, slow
+from ccld.diagnose import Diagnoser, commslow, slow
 from ccld.diagnose.findings import Finding, format_line
 from ccld.diagnose.tracker import FindingTracker
 
@@ -237,13 +237,13 @@ def test_comp_and_comm_slow_on_one_comm_are_mixed_slow(monkeypatch):
         return [Finding(kind="slow", cls="comm-slow", ranks=[0, 1], link=[0, 1], comm="job/gloo:0", seq=-1,
                         op="allreduce", onset_at=now - 5, detected_at=now, job="job",
                         evidence={"slowdown": 4.0, "summary": "link 0->1 rtt 25 ms"})]
-    monkeypatch.setattr(links, "find_comm_slow", fake_comm_slow)
+    monkeypatch.setattr(commslow, "find_comm_slow", fake_comm_slow)
     (f,) = held(Diagnoser(tl), t)
     assert (f.cls, f.ranks, f.link) == ("mixed-slow", [0, 1, 2], [0, 1])
     assert f.evidence["comp_ranks"] == [2] and f.evidence["comm_ranks"] == [0, 1]
     assert f.evidence["comm"]["slowdown"] == 4.0 and f.evidence["comp"]["reason"] == "late-arrival"
     # a comm-slow on another communicator stays what it is
-    monkeypatch.setattr(links, "find_comm_slow", lambda tl_, now: [
+    monkeypatch.setattr(commslow, "find_comm_slow", lambda tl_, now: [
         Finding(kind="slow", cls="comm-slow", ranks=[], comm="job/gloo:7", seq=-1, op="allreduce",
                 onset_at=now, detected_at=now, job="job")])
     assert sorted(f.cls for f in held(Diagnoser(tl), t)) == ["comm-slow", "comp-slow"]
@@ -278,7 +278,7 @@ def test_a_comm_slow_caused_by_one_ranks_cpu_is_that_ranks_comp_slow(monkeypatch
     slow_link = Finding(kind="slow", cls="comm-slow", ranks=[1, 3], link=[1, 3], comm="job/gloo:0", seq=-1,
                         op="allreduce", onset_at=t - 10, detected_at=t, job="job",
                         evidence={"slowdown": 3.5, "localised_by": "rtt"})
-    monkeypatch.setattr(links, "find_comm_slow", lambda tl_, now: [slow_link])
+    monkeypatch.setattr(commslow, "find_comm_slow", lambda tl_, now: [slow_link])
     (f,) = held(Diagnoser(tl), t)
     assert (f.cls, f.ranks, f.link) == ("comp-slow", [3], None)
     assert f.evidence["reason"] == "cpu-contended-inside" and f.evidence["link"] == [1, 3]
@@ -292,7 +292,7 @@ def test_a_late_cpu_contended_rank_whose_own_link_is_slow_is_one_comp_slow(monke
     # rank 2 is late and waits for a CPU far more than the others; the link localiser sees its link
     # crawl too: one cause (its CPU), reported as its comp-slow with the link evidence, not mixed-slow
     job, tl, t, _ = run(seconds=20, late={2: 0.030}, sched={0: 0.05, 1: 0.05, 2: 0.5, 3: 0.05})
-    monkeypatch.setattr(links, "find_comm_slow", lambda tl_, now: [
+    monkeypatch.setattr(commslow, "find_comm_slow", lambda tl_, now: [
         Finding(kind="slow", cls="comm-slow", ranks=[1, 2], link=[1, 2], comm="job/gloo:0", seq=-1, op="allreduce",
                 onset_at=now - 5, detected_at=now, job="job", evidence={"slowdown": 5.0})])
     (f,) = held(Diagnoser(tl), t)
@@ -309,7 +309,7 @@ def test_a_comm_slow_is_held_before_it_is_reported(monkeypatch):
     waits COMM_SLOW_HOLD_S, so the late rank's comp-slow (which folds the link in) comes first."""
     from ccld.diagnose import COMM_SLOW_HOLD_S
     job, tl, t, _ = run(seconds=20)
-    monkeypatch.setattr(links, "find_comm_slow", lambda tl_, now: [
+    monkeypatch.setattr(commslow, "find_comm_slow", lambda tl_, now: [
         Finding(kind="slow", cls="comm-slow", ranks=[0, 1], link=[0, 1], comm="job/gloo:0", seq=-1, op="allreduce",
                 onset_at=now - 1, detected_at=now, job="job", evidence={"slowdown": 4.0})])
     d = Diagnoser(tl)

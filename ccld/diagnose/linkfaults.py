@@ -1,0 +1,82 @@
+"""Hangs pinned on a link: find_link_faults.
+
+A hang (a collective nobody can finish, hang.py; or a send or receive, p2phang.py) whose cause is a
+link: since the hang began, one rank pair's connection was reset or kept retransmitting while the
+others were quiet. Ranks of one collective stall together (each waits for the data of the one before
+it), so "bytes stopped moving" alone cannot tell the links apart; retransmissions and resets can. The
+findings replace the hangs they explain. Asked of a Timeline (its `links` table: rank pairs with
+per-second buckets, see links.py) at Unix time `now`; suspects are named with links.name_pairs.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from ccld.diagnose import waits
+from ccld.diagnose.findings import Finding
+from ccld.diagnose.links import STAND_OUT, name_pairs
+from ccld.timeline.links import PairSummary
+from ccld.timeline.timeline import Timeline
+
+MIN_LINK_RETRANS = 2       # retransmissions since a hang began that make a link suspect (RTOs back off:
+                           # 0.2, 0.4, 0.8 s ... so a dead link shows 3-5 within the 5 s hang floor)
+HANG_SETTLE_S = 1.0        # retransmissions are counted from this long after a hang began: data in flight
+                           # when it began is acked (or lost) by then, and on a busy 2-core box every link
+                           # retransmits now and then; after it, only a link that lost its peer keeps trying
+
+
+def _pair_evidence(s: Optional[PairSummary]) -> Optional[Dict[str, float]]:
+    return None if s is None else s.as_dict()
+
+
+def _link_suspects(tl: Timeline, job: str, t_from: float, now: float) -> Tuple[List[Tuple[int, int]], Dict]:
+    """Directed pairs with resets, or retransmissions that stand out, in [t_from, now]."""
+    win = tl.links.pair_window(job, t_from, now + 1.0)
+    if not win:
+        return [], win
+    score = {p: s.retrans + 10 * s.resets for p, s in win.items()}
+    best = max(score.values())
+    if best < MIN_LINK_RETRANS and not any(s.resets for s in win.values()):
+        return [], win
+    suspects = [p for p, v in score.items() if v >= max(MIN_LINK_RETRANS, best / STAND_OUT) or win[p].resets]
+    others = [v for p, v in score.items() if p not in suspects]
+    if others and max(others) * STAND_OUT > min(score[p] for p in suspects):
+        return [], win  # retransmissions everywhere: a congested host, not one link
+    return suspects, win
+
+
+def find_link_faults(tl: Timeline, now: float, hangs: List[Finding]) -> List[Finding]:
+    """Hang findings refined to a link: a connection reset, or one that kept retransmitting while a
+    collective that needs it is open. Returns findings that replace the `hangs` they explain."""
+    out = []
+    for h in hangs:
+        if h.kind != "hang" or h.evidence.get("reason") in ("exited", "stopped"):
+            continue  # a dead or stopped process explains the hang by itself
+        if h.cls == "not-entered" and all(waits.blocked(tl, h.job, r) is None for r in h.ranks):
+            continue  # its culprits are in no operation (asleep, computing): no link holds them
+        suspects, win = _link_suspects(tl, h.job, h.onset_at + HANG_SETTLE_S, now)
+        named = name_pairs(suspects) if suspects else None
+        if named is None:
+            continue
+        ranks, link = named
+        worst = max(suspects, key=lambda p: (win[p].resets, win[p].retrans))
+        w = win[worst]
+        what = (f"was reset {w.resets} time(s)" if w.resets else f"retransmitted {w.retrans} times")
+        summary = (f"link {worst[0]}->{worst[1]} {what} since the hang began; other links: at most "
+                   f"{max((s.retrans for p, s in win.items() if p not in suspects), default=0)}")
+        evidence = {"reason": "link", "summary": summary, "hang_reason": h.evidence.get("reason"),
+                    "waited_s": h.evidence.get("waited_s"), "threshold_s": h.evidence.get("threshold_s"),
+                    "pairs": [_pair_evidence(win[p]) for p in sorted(suspects)],
+                    "others_max_retrans": max((s.retrans for p, s in win.items() if p not in suspects), default=0),
+                    "connections": _conn_evidence(tl, h.job, ranks),
+                    "hang_ranks": h.ranks}
+        out.append(Finding(kind="hang", cls="fault", ranks=ranks, link=link, comm=h.comm, seq=h.seq, op=h.op,
+                           onset_at=h.onset_at, detected_at=now, evidence=evidence, job=h.job))
+    return out
+
+
+def _conn_evidence(tl: Timeline, job: str, ranks: List[int]) -> List[Dict[str, object]]:
+    if len(ranks) != 2:
+        return []
+    return [{"rank": c.rank, "local": f"{c.saddr}:{c.sport}", "remote": f"{c.daddr}:{c.dport}",
+             "retrans": c.retrans, "resets": c.resets, "srtt_us": c.srtt_us, "state": c.state,
+             "last_progress_at": c.progress_at} for c in tl.links.conns_between(job, ranks[0], ranks[1])]
