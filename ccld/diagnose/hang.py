@@ -22,7 +22,9 @@ How long "longer than the threshold" is (adapted to the job's own waits, and not
 a member's agent is silent) is thresholds.py's. A missing rank that is working (busy on CPU or in disk
 I/O, e.g. writing a checkpoint: activity.py) while the others wait gets BUSY_FLOOR_S instead of the
 floor: until then it is an informational `comp-slow` "pause" finding (find_pauses), not a hang. What
-each named rank is doing is evidence.py's. Times: Unix seconds.
+each named rank is doing is evidence.py's; in (b), how long each call waited for its work to start
+(NCCL: the kernel's launch and queueing) against the communicator's usual, launch.py's. Times: Unix
+seconds.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from ccld.diagnose.activity import Activity, _working
 from ccld.diagnose.deaths import _dead, _first_error, _why_dead, crashed, died_first, job_stopped
 from ccld.diagnose.evidence import EVIDENCE_RANKS, _r, _ranks_words, _summary, listed, rank_evidence, wait_chain
 from ccld.diagnose.findings import Finding
+from ccld.diagnose.launch import queue_delays
 from ccld.diagnose.thresholds import BUSY_FLOOR_S, K, Blindness, blind_members, floor_for
 
 FAILED_GRACE_S = 1.0  # after the first error, wait this long for the other ranks' ends to arrive
@@ -206,6 +209,9 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
                     ranks=details, summary=_summary(details, reason))
     if how:
         evidence["outlived_fault"] = how
+    queued = queue_delays(comm, view, expected, now)
+    if queued is not None:
+        evidence["queued"] = queued  # enter -> start per rank, and the communicator's usual (launch.py)
     return Finding(kind="hang", cls="fault", ranks=blamed, comm=comm.id, seq=seq, op=view.op,
                    onset_at=onset, detected_at=now, evidence=evidence, job=comm.job)
 

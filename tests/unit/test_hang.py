@@ -590,3 +590,39 @@ def test_hangs_behind_an_inconsistent_collective_of_another_group_are_that_one_p
     assert [(f.cls, f.ranks, f.comm) for f in got] == [("inconsistent", [3], sub)], \
         [(f.cls, f.ranks, f.comm) for f in got]
 
+
+def test_stuck_inside_says_how_long_each_call_waited_to_start_against_the_usual():
+    job, tl, t = run_to(56)  # every healthy collective starts 10 ms after its enter (SynthJob.collective)
+    for r in range(4):
+        job.enter(r, 57, t + 0.001 * r)
+    job.start(0, 57, t + 0.010)
+    job.start(1, 57, t + 0.801)   # reached its work late
+    job.start(3, 57, t + 0.013)
+    job.feed(tl, t + 1)
+    (f,) = hangs(tl, t + 6)
+    q = f.evidence["queued"]
+    assert f.evidence["reason"] == "not-started" and f.ranks == [2]
+    assert list(q["started_after_s"]) == ["1", "0", "3"]  # the largest gap first
+    assert q["started_after_s"]["1"] == pytest.approx(0.8, abs=1e-4)
+    assert q["not_started_for_s"] == {"2": pytest.approx(6 - 0.002, abs=1e-3)}
+    assert (q["n_started"], q["n_not_started"]) == (3, 1)
+    assert q["usual_s"] == pytest.approx(0.001, abs=1e-6)  # all start when the last of 4 arrives: 2, 1.33, 0.67, 0 ms
+
+
+
+def test_a_source_without_start_events_gives_no_queue_evidence():
+    job, tl = SynthJob(), Timeline()
+    job.announce(T0)
+    t = T0 + 1
+    for seq in range(1, 57):  # enters and ends only (an API-probe source)
+        for r in range(4):
+            job.enter(r, seq, t + 0.001 * r)
+            job.end(r, seq, t + 0.01)
+        t += 0.1
+    for r in range(4):
+        job.enter(r, 57, t)
+    for r in (1, 2):
+        job.end(r, 57, t + 0.01)
+    job.feed(tl, t + 1)
+    (f,) = hangs(tl, t + 6)
+    assert f.evidence["reason"] == "not-finished" and "queued" not in f.evidence
