@@ -106,6 +106,9 @@ def test_a_rank_whose_kernel_never_starts_is_named(plugin, tmp_path):
     first = found[0]
     assert (first["kind"], first["class"], first["ranks"]) == ("hang", "fault", [2]), json.dumps(first)[:2000]
     assert first["evidence"]["reason"] == "not-started"
+    queued = first["evidence"]["queued"]  # the kernel's launch wait, from the plugin's first kernel channel
+    assert list(queued["not_started_for_s"]) == ["2"] and queued["n_started"] == 3, queued
+    assert queued["usual_s"] is not None and queued["usual_s"] < PERIOD_MS / 1000, queued
     assert onset <= first["detected_at"] <= onset + HANG_DEADLINE_S
     assert all(f["detected_at"] >= onset for f in found), "a finding before the fault"
     check_store(store)
