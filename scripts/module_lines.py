@@ -14,9 +14,7 @@ from typing import Dict, List, Mapping, Tuple
 
 MAX_LINES = 450
 # Modules over MAX_LINES, with their ceilings (their line counts when listed). Split them; never raise one.
-ALLOWED: Dict[str, int] = {
-    "ccld/timeline/timeline.py": 778,
-}
+ALLOWED: Dict[str, int] = {}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ME = "scripts/module_lines.py"  # where ALLOWED is, for the messages
 

@@ -5,7 +5,7 @@ the collector's timeline, tracker and counters under the collector's lock, so in
 per event. Histograms must only grow, while the timeline keeps just the newest collectives of each
 communicator: each scrape folds in the collectives completed since the previous one (remembered by
 seq while the timeline still holds them), so a collective is counted once. Caveat: a communicator
-that completes more than timeline.MAX_COLLS_PER_COMM collectives between two scrapes loses the
+that completes more than comms.MAX_COLLS_PER_COMM collectives between two scrapes loses the
 overflow from its histograms (counted in ccld_metrics_collectives_unfolded_total).
 Times: seconds. Links are rates over the last snapshot.LINK_WINDOW_S; counters (`*_total`) are
 cumulative since the collector started (link totals per live connection: they drop when an agent
@@ -43,7 +43,7 @@ LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                      1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 FINDING_CLASSES = (("hang", "not-entered"), ("hang", "inconsistent"), ("hang", "fault"),
                    ("slow", "comp-slow"), ("slow", "comm-slow"), ("slow", "mixed-slow"))
-MAX_FOLDED_COMMS = 10_000  # = timeline.MAX_COMMS: one histogram state per communicator
+MAX_FOLDED_COMMS = 10_000  # = comms.MAX_COMMS: one histogram state per communicator
 
 
 class MetricsError(CcldError):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from ccld.timeline.timeline import Comm, CollView, Timeline
+from ccld.timeline.records import Comm, CollView
+from ccld.timeline.timeline import Timeline
 
 SNAPSHOT_VERSION = 1
 LAG_WINDOW = 20          # completed collectives averaged for a rank's arrival lag: smooths one-off jitter

@@ -12,7 +12,8 @@ from __future__ import annotations
 import collections
 from typing import Dict, Optional, Set, Tuple
 
-from ccld.timeline.timeline import Comm, RankRecord, Timeline
+from ccld.timeline.records import Comm, RankRecord
+from ccld.timeline.timeline import Timeline
 
 BUSY_CPU = 0.5        # CPU s per s between /proc samples: a rank this busy is computing, not blocked
 WORKING_CPU = 0.3     # CPU s per s over a wait that makes a missing rank "working", whatever one sample says

@@ -33,7 +33,8 @@ from ccld.diagnose.evidence import EVIDENCE_RANKS, rank_evidence
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.slow import _cause
 from ccld.timeline.blocked import BUCKET_S, JobBlocked
-from ccld.timeline.timeline import Comm, Timeline
+from ccld.timeline.records import Comm
+from ccld.timeline.timeline import Timeline
 
 RECENT_S = 10.0        # the window judged: several pipeline steps even on a slow job
 SETTLE_S = 2.0         # ... ending this long ago: a wait is counted when it ends, and ends take a drain to arrive

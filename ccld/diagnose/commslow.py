@@ -22,7 +22,8 @@ from ccld.diagnose import nccllinks
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.links import BASELINE_GUARD_S, Pair, localise, name_pairs, pair_baselines
 from ccld.timeline.links import PairBaseline, PairSummary
-from ccld.timeline.timeline import CollView, Comm, Timeline
+from ccld.timeline.records import CollView, Comm
+from ccld.timeline.timeline import Timeline
 
 RECENT_S = 10.0            # the window a slowdown is judged over ...
 RECENT_N = 10              # ... or its last RECENT_N collectives, if fewer: a 30x slower job completes a

@@ -13,7 +13,8 @@ import collections
 import re
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ccld.timeline.timeline import Comm, Timeline
+from ccld.timeline.records import Comm
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose.evidence import listed
 
 EXIT_TIE_S = 0.1      # exits seen this close together are one /proc scan of the agent's: not ordered

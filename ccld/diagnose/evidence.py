@@ -12,7 +12,8 @@ from __future__ import annotations
 import heapq
 from typing import Any, Dict, List, Optional, Tuple
 
-from ccld.timeline.timeline import Comm, CollView, RankRecord, Timeline
+from ccld.timeline.records import Comm, CollView, RankRecord
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose import waits
 from ccld.diagnose.activity import BUSY_CPU
 from ccld.diagnose.findings import STATE_NAMES, short_comm

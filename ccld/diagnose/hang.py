@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Set
 
-from ccld.timeline.timeline import Comm, CollView, Timeline
+from ccld.timeline.records import Comm, CollView
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose import waits
 from ccld.diagnose.activity import Activity, _working
 from ccld.diagnose.deaths import _dead, _first_error, _why_dead, crashed, died_first, job_stopped

@@ -23,7 +23,8 @@ from __future__ import annotations
 import collections
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ccld.timeline.timeline import Comm, CollView, Timeline
+from ccld.timeline.records import Comm, CollView
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose.evidence import EVIDENCE_RANKS, rank_evidence
 from ccld.diagnose.findings import Finding
 

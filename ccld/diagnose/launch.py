@@ -18,7 +18,7 @@ import itertools
 import statistics
 from typing import Any, Dict, Iterable, List, Optional
 
-from ccld.timeline.timeline import CollView, Comm
+from ccld.timeline.records import CollView, Comm
 
 HISTORY = 32        # completed collectives the usual gap is taken from (the newest)
 SAMPLE_RANKS = 64   # ... ranks of each (a 16k-rank collective need not be read whole)

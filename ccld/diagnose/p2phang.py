@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from ccld.timeline.timeline import Comm, Timeline
+from ccld.timeline.records import Comm
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose import waits
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.activity import Activity, _working

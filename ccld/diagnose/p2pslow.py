@@ -23,7 +23,8 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ccld.diagnose import links
 from ccld.diagnose.findings import Finding
-from ccld.timeline.timeline import Comm, Timeline
+from ccld.timeline.records import Comm
+from ccld.timeline.timeline import Timeline
 
 BUCKET_S = 2.0         # transfers summarised per 2 s: a pipeline moves many per second
 BUCKETS = 300          # 10 minutes of a stream's history

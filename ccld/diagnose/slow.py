@@ -43,7 +43,8 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ccld.timeline.timeline import Comm, CollView, Timeline
+from ccld.timeline.records import Comm, CollView
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose.episodes import (MIN_COLLS, MIN_LATE, CollSummary, bucket, judge, notable,
                                     ranks_words, spread_finding, summarize_values)
 from ccld.diagnose.evidence import EVIDENCE_RANKS, rank_evidence

@@ -18,7 +18,8 @@ from __future__ import annotations
 import collections
 from typing import Dict, List, Optional, Set
 
-from ccld.timeline.timeline import Comm, RankRecord, Timeline
+from ccld.timeline.records import Comm, RankRecord
+from ccld.timeline.timeline import Timeline
 
 FLOOR_S = 5.0   # never call a hang before this while a communicator's normal is unknown: agents ship every 100 ms
 LEARNED_FLOOR_S = 3.0  # ... and once LEARN_S of its collectives completed (and k x their worst spread is lower):

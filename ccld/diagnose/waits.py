@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ccld.timeline.p2p import COMPLEMENT, P2POp
-from ccld.timeline.timeline import Comm, CollView, Timeline
+from ccld.timeline.records import Comm, CollView
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose.findings import Finding, short_comm
 
 MAX_HOPS = 8          # depth of a chain followed from one waited-for rank

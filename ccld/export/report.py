@@ -19,7 +19,8 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from ccld.timeline.timeline import Comm, Timeline
+from ccld.timeline.records import Comm
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose.findings import short_comm
 from ccld.diagnose.replay import replay
 from ccld.errors import CcldError

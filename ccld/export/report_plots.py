@@ -19,7 +19,8 @@ from matplotlib.colors import PowerNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ccld.timeline.timeline import Comm, Timeline
+from ccld.timeline.records import Comm
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose.findings import Finding, short_comm
 from ccld.export.htmlkit import DPI, esc as _e, img as _img, png as _png, section as _section, ticks as _ticks
 

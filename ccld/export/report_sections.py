@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
-from ccld.timeline.timeline import Comm, Timeline
+from ccld.timeline.records import Comm
+from ccld.timeline.timeline import Timeline
 from ccld.diagnose.findings import STATE_NAMES, Finding, format_line, short_comm
 from ccld.diagnose.replay import format_report
 from ccld.export.htmlkit import esc as _e, rel as _rel, section as _section, table as _table, utc as _utc

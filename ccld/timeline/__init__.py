@@ -1,6 +1,9 @@
 """ccld.timeline: the in-memory model every analysis reads, built from decoded frames.
 
-    timeline.py     ranks, communicators and collectives joined across agents (Timeline)
+    timeline.py     ranks, communicators and collectives joined across agents (Timeline): ingest, the
+                    questions; its records in records.py (RankRecord, Comm, CollView); communicator
+                    events applied by comms.py one at a time, by colblocks.py a column block's run at a
+                    time (the fast path)
     ingest.py       one frame: decode (counted by reason), then into a Timeline; a store into a fresh one
     clock.py        the one conversion of a node's clock to the collector's timebase (clockrefine.py:
                     corrected with the job's own collectives)

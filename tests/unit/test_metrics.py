@@ -6,7 +6,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ccld.timeline import timeline as timeline_mod
+from ccld.timeline import comms
 from ccld.collector.metrics import LATENCY_BUCKETS_S, MetricsError, MetricsServer, parse_hostport
 from ccld.collector.server import Collector
 from ccld_synth import SynthJob, SynthLinks
@@ -152,7 +152,7 @@ def test_histograms_count_each_collective_once_across_scrapes(live):
 
 
 def test_collectives_evicted_between_scrapes_are_counted_as_unfolded(monkeypatch):
-    monkeypatch.setattr(timeline_mod, "MAX_COLLS_PER_COMM", 8)
+    monkeypatch.setattr(comms, "MAX_COLLS_PER_COMM", 8)
     col = Collector(listen="tcp://127.0.0.1:*", on_line=lambda line: None, stacks=False)  # not started: fed directly
     srv = MetricsServer(col, "127.0.0.1:0").start()
     try:

@@ -2,7 +2,7 @@
 import pytest
 
 from ccld import wire as ev
-from ccld.timeline import timeline as tlm
+from ccld.timeline import comms
 from ccld.timeline.timeline import Timeline
 
 from ccld_synth import T0, FakeAgent, SynthJob
@@ -142,7 +142,7 @@ def test_subgroup_members_and_unknown_group_size():
 
 
 def test_collectives_per_comm_are_bounded(monkeypatch):
-    monkeypatch.setattr(tlm, "MAX_COLLS_PER_COMM", 10)
+    monkeypatch.setattr(comms, "MAX_COLLS_PER_COMM", 10)
     job, tl = SynthJob(), Timeline()
     job.announce(T0)
     for seq in range(1, 31):  # shipped as they happen: agents are never 10 collectives apart
@@ -156,8 +156,8 @@ def test_collectives_per_comm_are_bounded(monkeypatch):
 
 def test_big_groups_keep_fewer_collectives(monkeypatch):
     # A collective holds an entry per member: the bound is on entries, so 16 ranks keep 64 / 16 = 4.
-    monkeypatch.setattr(tlm, "MAX_RANK_ENTRIES_PER_COMM", 64)
-    monkeypatch.setattr(tlm, "MIN_COLLS_PER_COMM", 2)
+    monkeypatch.setattr(comms, "MAX_RANK_ENTRIES_PER_COMM", 64)
+    monkeypatch.setattr(comms, "MIN_COLLS_PER_COMM", 2)
     job, tl = SynthJob(world=16, nodes=2), Timeline()
     job.announce(T0)
     for seq in range(1, 21):

@@ -1,0 +1,201 @@
+"""A rank's communicator events applied to the timeline one event at a time: CommInit, CollEnter,
+WorkStart and WorkEnd joined into collectives by (communicator, seq), P2P and P2PEnd into each
+communicator's point-to-point table, and the RankState and RankExit that come in the same family
+(timeline.py's _RANK_EVENTS). Functions of the Timeline (`tl`), which dispatches each event here;
+its fast path for column blocks (colblocks.py) applies a run of rows at a time with coll_view and
+maybe_completed from here.
+
+Times: Unix seconds, converted by the caller. Bounds: the last MAX_COLLS_PER_COMM collectives per
+communicator (fewer for big groups, so that one communicator holds at most ~MAX_RANK_ENTRIES_PER_COMM
+per-rank entries), MAX_COMMS communicators. A late event for an evicted collective, a stale pid, a
+duplicate, is counted in `tl.anomalies`, never fatal.
+Caveat: a rank seen under a new pid whose CommInit names a communicator it was in starts that
+communicator over (a restarted job rebuilds its groups; seq counts from 1 again); other events of a
+retired pid are dropped as stale.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from ccld import wire as ev
+from ccld.timeline.align import per_process
+from ccld.timeline.p2p import CommP2P
+from ccld.timeline.records import CollView, Comm, RankRecord
+
+if TYPE_CHECKING:
+    from ccld.timeline.timeline import Timeline
+
+MAX_COLLS_PER_COMM = 4096     # hang detection looks at the newest; 4096 covers minutes of a fast job ...
+MAX_RANK_ENTRIES_PER_COMM = 1 << 20  # ... but a collective holds ~3 entries per member, so a big group keeps
+MIN_COLLS_PER_COMM = 64              # fewer: 1M / group size (>= 64): 256 at 4,096 ranks, ~250 MiB at most
+MAX_COMMS = 10_000            # process groups per collector; real jobs have a handful per job
+PEAK_BUCKET_S = 300.0         # arrival-spread/duration peaks are kept per 5-minute bucket ...
+PEAK_BUCKETS = 12             # ... for an hour: a checkpoint every N minutes is still remembered
+
+
+def rank_event(tl: Timeline, agent: str, node: str, e: ev.Event, t: float) -> None:
+    """One of _RANK_EVENTS (timeline.py) of process (node, e.pid), at Unix time `t`."""
+    rec = tl.ranks.get((node, e.pid))
+    if rec is None:
+        tl.anomalies["unknown-pid"] += 1  # no RankInfo (yet) for this process
+    else:
+        rec.saw(t)
+    rank = e.rank if e.rank >= 0 else (rec.rank if rec else -1)
+    if isinstance(e, ev.RankState):
+        if rec is not None:
+            if rec.state_at is not None and rec.cpu_ns >= 0 and e.cpu_ns >= rec.cpu_ns and t > rec.state_at:
+                rec.cpu_busy = (e.cpu_ns - rec.cpu_ns) / 1e9 / (t - rec.state_at)
+            rec.state, rec.wchan, rec.cpu_ns, rec.state_at = e.state, e.wchan, e.cpu_ns, t
+        return
+    if isinstance(e, ev.RankExit):
+        if rec is not None:
+            rec.exited_at, rec.exit_reason, rec.exit_exact = t, e.reason, e.exact
+            rec.exit_signal, rec.stopped_by_launcher = e.signal, e.by_launcher
+        return
+    if rank < 0:
+        tl.anomalies["no-rank"] += 1  # neither the event nor a RankInfo says which rank this is
+        return
+    if isinstance(e, ev.P2P):
+        tl.p2p_counts[(rank, e.op)] += 1
+        if rec is not None:
+            rec.last_p2p = (e.op, e.peer, t)
+    comm = _comm_of(tl, e.comm, rec, rank, node, e.pid, isinstance(e, ev.CommInit))
+    if comm is None:
+        return
+    if isinstance(e, (ev.P2P, ev.P2PEnd)):
+        _p2p(tl, agent, comm, rank, e, t)
+    elif isinstance(e, ev.CommInit):
+        comm.backend = e.backend or comm.backend
+        if e.group_size >= 0:
+            comm.group_size = e.group_size
+        comm.members.add(rank)
+        if e.seq_source:
+            comm.seq_sources[rank] = e.seq_source
+        if per_process(e):
+            tl.align.watch(comm, rank)
+        if e.group_rank >= 0:  # seen at its creation: this rank's p2p numbering began with the group
+            comm.group_of[rank] = e.group_rank
+            comm.global_by_group[e.group_rank] = rank
+            _p2p_of(tl, comm).exact.add(rank)
+    elif isinstance(e, ev.CollEnter):
+        _enter(tl, comm, rank, e, t)
+    elif isinstance(e, (ev.WorkStart, ev.WorkEnd)):
+        view = coll_view(tl, comm, e.seq, "", create=True)
+        if view is None:
+            return
+        if rank not in view.enter:
+            tl.anomalies["start-without-enter" if isinstance(e, ev.WorkStart) else "end-without-enter"] += 1
+        if isinstance(e, ev.WorkStart):
+            view.start.setdefault(rank, t)
+        elif rank in view.end:
+            tl.anomalies["duplicate-end"] += 1
+        else:
+            view.end[rank] = t
+            tl.blocked.add(comm.job, rank, view.enter.get(rank), t)
+            if not e.ok:
+                view.failed[rank] = e.error or "failed"
+            tl.end_counts[(rank, view.ops.get(rank) or view.op or "unknown")] += 1
+            maybe_completed(tl, comm, view)
+
+
+def _p2p_of(tl: Timeline, comm: Comm) -> CommP2P:
+    if comm.p2p is None:
+        comm.p2p = CommP2P(tl.anomalies)
+    return comm.p2p
+
+
+def _p2p(tl: Timeline, agent: str, comm: Comm, rank: int, e, t: float) -> None:
+    comm.members.add(rank)
+    table = _p2p_of(tl, comm)
+    if isinstance(e, ev.P2P):
+        table.post(rank, e, t)
+    else:
+        wait_at = tl.clock.to_unix(agent, e.wait_ns) if e.wait_ns > 0 else None
+        op = table.end(rank, e, t, wait_at)
+        if op is not None:
+            tl.blocked.add(comm.job, rank, op.blocked_from(), t)
+
+
+def _comm_of(tl: Timeline, cid: str, rec: Optional[RankRecord], rank: int, node: str, pid: int,
+             is_init: bool) -> Optional[Comm]:
+    comm = tl.comms.get(cid)
+    if comm is None:
+        if len(tl.comms) >= MAX_COMMS:
+            tl.anomalies["comms-over-bound"] += 1
+            return None
+        comm = tl.comms[cid] = Comm(id=cid)
+    if not comm.job and rec is not None and rec.job:
+        comm.job = rec.job
+    prev = comm.pids.get(rank)
+    if (node, pid) in comm.retired or (prev is not None and prev != (node, pid) and not is_init):
+        tl.anomalies["stale-pid"] += 1  # an old incarnation of a restarted rank; ignore it
+        return None
+    if prev is not None and prev != (node, pid):
+        # The rank was restarted and rebuilt this group: sequence numbers start over.
+        tl.anomalies["comm-reset"] += 1
+        comm = tl.comms[cid] = Comm(id=cid, job=comm.job, backend=comm.backend, resets=comm.resets + 1,
+                                    retired=comm.retired | set(comm.pids.values()))
+    comm.pids[rank] = (node, pid)
+    return comm
+
+
+def coll_view(tl: Timeline, comm: Comm, seq: int, op: str, create: bool) -> Optional[CollView]:
+    """Collective `seq` of `comm`; made when `create` (evicting the oldest past the bound), unless it was
+    evicted already: then None, counted."""
+    view = comm.colls.get(seq)
+    if view is not None or not create:
+        return view
+    if seq <= comm.evicted_upto:
+        tl.anomalies["late-event"] += 1  # its collective already fell out of the bound
+        return None
+    view = comm.colls[seq] = CollView(comm=comm.id, seq=seq, op=op)
+    keep = min(MAX_COLLS_PER_COMM, max(MIN_COLLS_PER_COMM, MAX_RANK_ENTRIES_PER_COMM // max(1, len(comm.members))))
+    while len(comm.colls) > keep:
+        old, _ = comm.colls.popitem(last=False)
+        comm.evicted_upto = max(comm.evicted_upto, old)
+    return view
+
+
+def _enter(tl: Timeline, comm: Comm, rank: int, e: ev.CollEnter, t: float) -> None:
+    comm.members.add(rank)
+    if not comm.backend:
+        comm.backend = e.backend
+    view = coll_view(tl, comm, e.seq, e.op, create=True)
+    if view is None:
+        return
+    if rank in view.enter:
+        tl.anomalies["duplicate-enter"] += 1
+        return
+    if not view.op:
+        view.op = e.op
+    view.enter[rank] = t
+    view.ops[rank] = e.op
+    if e.count >= 0 or e.dtype or e.nbytes >= 0:  # NCCL probes say count and dtype; gloo's the bytes
+        view.sizes[rank] = (e.count, e.dtype, e.nbytes)
+    tl.enter_counts[(rank, e.op)] += 1
+    last = comm.last_entered.get(rank)
+    if last is None or e.seq >= last[0]:
+        comm.last_entered[rank] = (e.seq, e.op, t)
+    comm.max_seq = max(comm.max_seq, e.seq)
+
+
+def maybe_completed(tl: Timeline, comm: Comm, view: CollView) -> None:
+    """Marks `view` completed once every expected member has entered and ended it; keeps the peaks."""
+    if view.completed_at is not None:
+        return
+    expected = tl.expected_members(comm.id)
+    if not expected or len(view.end) < len(expected):  # cheap test first: most ends are not the last
+        return
+    if not expected.issubset(view.enter.keys()) or not expected.issubset(view.end.keys()):
+        return
+    view.completed_at = max(map(view.end.__getitem__, expected))
+    comm.completed += 1
+    if comm.first_done_at is None:
+        comm.first_done_at = view.completed_at
+    spread = view.last_enter() - view.first_enter()
+    duration = max(0.0, view.completed_at - view.last_enter())
+    bucket = int(view.completed_at // PEAK_BUCKET_S)
+    s, d = comm.peaks.get(bucket, (0.0, 0.0))
+    comm.peaks[bucket] = (max(s, spread), max(d, duration))
+    while len(comm.peaks) > PEAK_BUCKETS:
+        del comm.peaks[min(comm.peaks)]
