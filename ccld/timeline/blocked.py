@@ -53,12 +53,21 @@ class JobBlocked:
         newest = self.newest_end.get(rank)
         secs = end - start
         if newest is not None and start < newest:  # it may overlap what this rank already counted
-            pieces = [(start, end)]
-            for a, b in kept:
-                pieces = [q for lo, hi in pieces for q in ((lo, min(hi, a)), (max(lo, b), hi)) if q[1] > q[0]]
-                if not pieces:
-                    return
-            secs = sum(hi - lo for lo, hi in pieces)
+            if end <= start:
+                return  # an empty wait adds nothing, and is not kept
+            # what of [start, end] the kept intervals cover: those that overlap it, clipped to it, merged
+            inside = sorted((a if a > start else start, b if b < end else end) for a, b in kept if a < end and b > start)
+            if inside:
+                covered, (lo, hi) = 0.0, inside[0]
+                for a, b in inside:
+                    if a > hi:
+                        covered += hi - lo
+                        lo, hi = a, b
+                    elif b > hi:
+                        hi = b
+                if lo == start and hi == end and not covered:
+                    return  # all of it counted already
+                secs -= covered + (hi - lo)
         kept.append((start, end))
         if newest is None or end > newest:
             self.newest_end[rank] = end

@@ -4,6 +4,8 @@ it in the loss all-reduce); a batch-size change that grows every stage's work na
 healthy pipeline names nobody; the baseline holds while the slowdown lasts; blocked time of one
 rank counts overlapping intervals once.
 """
+import random
+
 import pytest
 
 from ccld.timeline.blocked import BUCKET_S, BlockedTable
@@ -61,6 +63,41 @@ def run(steps_before=1800, steps_after=700, slow=None, slow_all=None, stage_ms=1
             found += [(t, f) for f in d.find_slow(t)]
             next_feed = t + feed_every
     return found, fault_at, tl
+
+
+
+def _counted_by_pieces(intervals, kept_n):
+    """Blocked seconds the plain way: each interval minus every piece of the newest kept_n counted
+    intervals (the rule JobBlocked.add keeps), by cutting it into the pieces they leave uncovered."""
+    kept, total, newest = [], 0.0, None
+    for start, end in intervals:
+        pieces = [(start, end)]
+        if newest is not None and start < newest:
+            for a, b in kept[-kept_n:]:
+                pieces = [q for lo, hi in pieces for q in ((lo, min(hi, a)), (max(lo, b), hi)) if q[1] > q[0]]
+        if not pieces:
+            continue
+        kept.append((start, end))
+        newest = end if newest is None else max(newest, end)
+        total += sum(hi - lo for lo, hi in pieces)
+    return total
+
+
+def test_overlapping_waits_of_one_rank_count_once_in_any_order():
+    from ccld.timeline.blocked import KEPT_INTERVALS, JobBlocked
+    rnd = random.Random(7)
+    for trial in range(300):
+        intervals, t = [], 0.0
+        for _ in range(rnd.randint(1, 60)):  # two communicators' waits and p2p ops, out of order
+            t += rnd.choice((0.0, 0.001, 0.01, 0.05))
+            start = t - rnd.random() * 0.05
+            intervals.append((start, start + rnd.choice((0.0, 0.002, 0.02, 0.1)) * rnd.random()))
+        if trial % 3 == 0:
+            rnd.shuffle(intervals)
+        jb = JobBlocked()
+        for a, b in intervals:
+            jb.add(0, a, b)
+        assert jb.total.get(0, 0.0) == pytest.approx(_counted_by_pieces(intervals, KEPT_INTERVALS), abs=1e-12), trial
 
 
 def test_a_stage_whose_compute_grew_is_named_alone():
