@@ -38,8 +38,8 @@ def open_collective(tl: Timeline, job: str, rank: int, skip: Optional[str] = Non
     """The collective `rank` is inside right now (entered, not finished) on any communicator of
     `job` but `skip`: the newest one, or None."""
     best = None
-    for c in tl.comms.values():
-        if c.id == skip or c.job != job:
+    for c in waits.comms_of(tl, job, rank):
+        if c.id == skip:
             continue
         last = c.last_entered.get(rank)
         if last is None:

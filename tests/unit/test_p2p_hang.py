@@ -6,6 +6,8 @@ The real pipeline under the real probes: tests/e2e/test_shapes.py.
 """
 import pytest
 
+from ccld import wire as ev
+
 from ccld.timeline.timeline import Timeline
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import format_line
@@ -253,3 +255,20 @@ def test_of_two_stages_gone_without_a_sign_of_life_the_kernels_exit_times_order_
         job.feed(tl, t + i)
     (f,) = hangs(tl, t + 2.5)
     assert f.ranks == [1] and f.evidence["outlived_fault"] == {"exited_later": [2], "exit_times": "kernel"}
+
+
+def test_what_a_rank_waits_in_follows_a_communicator_that_appears_later():
+    """waits.blocked asks only the communicators a rank is a member of (an index, kept per timeline):
+    one created after the index was built, and the rank's ops on it, must be seen at once."""
+    from ccld.diagnose import waits
+    job, tl, t = healthy()
+    assert waits.blocked(tl, job.job, 2) is None  # between steps: nothing open (the index is built here)
+    pp = f"{job.job}/gloo:7"
+    job._put(2, ev.CommInit(pid=job.pid[2], rank=2, ts_ns=job.ts(2, t), backend="gloo", comm=pp,
+                            group_rank=0, group_size=2))
+    job.post(2, "recv", 1, 1, t + 0.01, comm=pp)  # from group rank 1 (rank 3), which never sends
+    job.feed(tl, t + 0.02)
+    b = waits.blocked(tl, job.job, 2)
+    assert b is not None and b.comm.id == pp and b.op is not None and b.op.op == "recv"
+    assert [c.id for c in waits.comms_of(tl, job.job, 2)] == [job.comm, pp]
+    assert [c.id for c in waits.comms_of(tl, job.job, 0)] == [job.comm]
