@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-from typing import Any, Deque, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from ccld import wire as ev
 from ccld.timeline.align import Aligner
@@ -51,6 +51,7 @@ class Timeline:
         self.clock = ClockTable()
         self.ranks: Dict[Tuple[str, int], RankRecord] = {}
         self.by_rank: Dict[Tuple[str, int], Tuple[str, int]] = {}   # (job, global rank) -> (node, pid)
+        self.jobs_of_rank: Dict[int, Set[str]] = {}                 # global rank -> the jobs that have it
         self.job_ranks: collections.Counter = collections.Counter()  # job -> distinct ranks announced
         self.jobs: Dict[str, int] = {}                              # job -> world size
         self.comms: Dict[str, Comm] = {}
@@ -227,6 +228,7 @@ class Timeline:
             if (e.job, e.rank) not in self.by_rank:
                 self.job_ranks[e.job] += 1
             self.by_rank[(e.job, e.rank)] = (node, e.pid)  # a restarted rank (new pid) replaces the old
+            self.jobs_of_rank.setdefault(e.rank, set()).add(e.job)
         self.links.note_job(e.job, e.master_addr, e.master_port)
 
     def _sched(self, node: str, e: ev.SchedStats, t: float) -> None:
@@ -322,8 +324,8 @@ class Timeline:
     def rank_record(self, job: str, rank: int) -> Optional[RankRecord]:
         key = self.by_rank.get((job, rank))
         if key is None and not job:  # comm of unknown job: accept a unique match on the rank alone
-            keys = [k for (j, r), k in self.by_rank.items() if r == rank]
-            key = keys[0] if len(keys) == 1 else None
+            jobs = self.jobs_of_rank.get(rank, ())
+            key = self.by_rank.get((next(iter(jobs)), rank)) if len(jobs) == 1 else None
         return self.ranks.get(key) if key else None
 
     def agent_silent_s(self, agent: str, now: float) -> Optional[float]:

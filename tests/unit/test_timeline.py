@@ -177,3 +177,15 @@ def test_restarted_rank_resets_its_comm():
     comm = tl.comms[job.comm]
     assert comm.resets == 1 and sorted(comm.colls) == [1, 2] and comm.max_seq == 2
     assert tl.rank_record("job", 2).pid == 2002
+
+
+def test_a_rank_of_an_unknown_job_is_found_when_one_job_has_it():
+    job, tl = healthy(3)
+    assert tl.rank_record("", 2) is tl.rank_record("job", 2) is not None
+    other = SynthJob(job="other")
+    other.pid = {r: 2000 + r for r in range(4)}
+    other.announce(T0 + 5)
+    other.feed(tl, T0 + 6)
+    assert tl.rank_record("other", 2) is not tl.rank_record("job", 2)
+    assert tl.rank_record("", 2) is None  # two jobs have a rank 2: not guessed
+    assert tl.rank_record("", 7) is None
