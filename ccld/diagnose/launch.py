@@ -58,7 +58,7 @@ def queue_delays(comm: Comm, view: CollView, expected: Iterable[int], now: float
         s = view.start.get(r)
         if s is not None:
             started[r] = max(0.0, s - e)
-        else:
+        elif r not in view.end:  # over without a start event (no proxy step, say): not waiting to start
             waiting[r] = max(0.0, now - e)
     top = sorted(started.items(), key=lambda x: -x[1])[:SHOWN]
     out: Dict[str, Any] = {

@@ -73,13 +73,15 @@ def comms_of(tl: Timeline, job: str, rank: int) -> List[Comm]:
     collectives or p2p ops (entering or posting makes it one), in the timeline's order. The questions
     here are asked for every rank a finding names; scanning every communicator for each was
     O(ranks x communicators) a tick (seen: 1.2 s at 4,096 ranks and 513 communicators). The index is
-    checked once per ingested event count and rebuilt when a communicator, its job or its membership
-    changed."""
+    checked once per ingested event count and rebuilt when a communicator (the object: a reset makes
+    a new one), its job or its number of members changed."""
     epoch = (len(tl.comms), sum(tl.events_by_kind.values()))
     got = _MEMBERSHIP.get(tl)
     if got is not None and got[0] == epoch:
         return got[2].get((job, rank), [])
-    key = hash(tuple((c.job, len(c.members)) for c in tl.comms.values()))
+    # the objects themselves (a reset replaces a communicator by a new one of the same size; the index
+    # holds the old ones, so their ids cannot be reused while it is compared), their jobs and sizes
+    key = tuple((id(c), c.job, len(c.members)) for c in tl.comms.values())
     if got is not None and got[1] == key:
         index = got[2]
     else:

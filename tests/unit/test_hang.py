@@ -626,3 +626,16 @@ def test_a_source_without_start_events_gives_no_queue_evidence():
     job.feed(tl, t + 1)
     (f,) = hangs(tl, t + 6)
     assert f.evidence["reason"] == "not-finished" and "queued" not in f.evidence
+
+
+def test_a_rank_over_without_a_start_event_is_not_waiting_to_start():
+    job, tl, t = run_to(56)
+    for r in range(4):
+        job.enter(r, 57, t + 0.001 * r)
+    for r in (0, 1):
+        job.start(r, 57, t + 0.01)
+    job.end(3, 57, t + 0.02)  # over, its start never reported
+    job.feed(tl, t + 1)
+    (f,) = hangs(tl, t + 6)
+    q = f.evidence["queued"]
+    assert list(q["not_started_for_s"]) == ["2"] and (q["n_started"], q["n_not_started"]) == (2, 1)

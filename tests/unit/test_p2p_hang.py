@@ -272,3 +272,15 @@ def test_what_a_rank_waits_in_follows_a_communicator_that_appears_later():
     assert b is not None and b.comm.id == pp and b.op is not None and b.op.op == "recv"
     assert [c.id for c in waits.comms_of(tl, job.job, 2)] == [job.comm, pp]
     assert [c.id for c in waits.comms_of(tl, job.job, 0)] == [job.comm]
+
+
+def test_a_communicator_replaced_by_a_reset_is_the_one_asked():
+    """A reset makes a new Comm object of the same size: the index must not keep answering the old one."""
+    from ccld.diagnose import waits
+    from ccld.timeline.records import Comm
+    job, tl, t = healthy()
+    old = waits.comms_of(tl, job.job, 2)[0]
+    new = tl.comms[job.comm] = Comm(id=job.comm, backend="gloo", group_size=4, job=job.job, members=set(old.members))
+    job.state(2, t + 0.01, "S")  # any event: the index is checked again after ingest
+    job.feed(tl, t + 0.02)
+    assert waits.comms_of(tl, job.job, 2) == [new] and new is not old
