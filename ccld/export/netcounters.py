@@ -24,9 +24,9 @@ buckets only within CLOSE_AFTER_NS of the newest event; what does not fit is cou
 from __future__ import annotations
 
 import collections
-import heapq
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
+from ccld.export.buckets import Closing
 from ccld.export.tracks import Proc, Track
 from ccld.timeline.links import LOOPBACK_PREFIXES
 
@@ -84,8 +84,7 @@ class NetCounters:
         # the far end, not found through `endpoints`: a listener's accepted sockets share one local end.
         self.waiting: Dict[tuple, List[Conn]] = {}
         self.pairs: Dict[Tuple[Proc, int], Pair] = {}
-        self.due_heap: List[tuple] = []          # (close at ns, n, pair, bucket)
-        self.due_n = 0
+        self.closing = Closing(BUCKET_NS, CLOSE_AFTER_NS)
 
     # ---- links
 
@@ -183,12 +182,7 @@ class NetCounters:
         if i <= pair.closed:
             self.m.anomalies["link-late"] += 1  # later than CLOSE_AFTER_NS: drawn in the next bucket
             i = pair.closed + 1
-        b = pair.buckets.get(i)
-        if b is None:
-            b = pair.buckets[i] = [0, 0, 0, 0]
-            self.due_n += 1
-            heapq.heappush(self.due_heap, ((i + 1) * BUCKET_NS + CLOSE_AFTER_NS, self.due_n, pair, i))
-        return b
+        return self.closing.open(pair, i, lambda: [0, 0, 0, 0])
 
     def _add(self, pair: Pair, ts: int, span: int, nbytes: int, retrans: int, srtt: int) -> None:
         lo = ts - span
@@ -209,12 +203,8 @@ class NetCounters:
 
     def due(self, now: int) -> None:
         """Write every bucket that closed by `now` (recorded time)."""
-        heap = self.due_heap
-        while heap and heap[0][0] <= now:
-            _, _, pair, i = heapq.heappop(heap)
-            b = pair.buckets.pop(i, None)
-            if b is not None:
-                self._write(pair, i, b)
+        for pair, i, b in self.closing.due(now):
+            self._write(pair, i, b)
 
     def _write(self, pair: Pair, i: int, b: list) -> None:
         m = self.m

@@ -27,9 +27,9 @@ within CLOSE_AFTER_NS of the newest event; what does not fit is counted in anoma
 """
 from __future__ import annotations
 
-import heapq
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
+from ccld.export.buckets import Closing
 from ccld.export.tracks import Proc, Track
 
 if TYPE_CHECKING:
@@ -73,8 +73,7 @@ class NcclProgress:
         self.links: Dict[Tuple[Proc, str, int, bool], Link] = {}
         self.to_global: Dict[Tuple[str, int], int] = {}   # (comm, group rank) -> global rank
         self.to_group: Dict[Tuple[str, int], int] = {}    # (comm, global rank) -> group rank
-        self.due_heap: List[tuple] = []                   # (close at ns, n, link, bucket)
-        self.due_n = 0
+        self.closing = Closing(BUCKET_NS, CLOSE_AFTER_NS)
 
     def note_comm(self, comm: str, group_rank: int, rank: int) -> None:
         """A CommInit: `rank` (global) is `group_rank` in `comm`."""
@@ -137,21 +136,12 @@ class NcclProgress:
 
     def _bucket(self, link: Link, i: int) -> list:
         i = max(i, link.closed + 1)  # a bucket already written: the next one
-        b = link.buckets.get(i)
-        if b is None:
-            b = link.buckets[i] = [0.0, 0.0, 0.0, -1]
-            self.due_n += 1
-            heapq.heappush(self.due_heap, ((i + 1) * BUCKET_NS + CLOSE_AFTER_NS, self.due_n, link, i))
-        return b
+        return self.closing.open(link, i, lambda: [0.0, 0.0, 0.0, -1])
 
     def due(self, now: int) -> None:
         """Write every bucket that closed by `now` (recorded time)."""
-        heap = self.due_heap
-        while heap and heap[0][0] <= now:
-            _, _, link, i = heapq.heappop(heap)
-            b = link.buckets.pop(i, None)
-            if b is not None:
-                self._write(link, i, b)
+        for link, i, b in self.closing.due(now):
+            self._write(link, i, b)
 
     def _write(self, link: Link, i: int, b: list) -> None:
         m = self.m

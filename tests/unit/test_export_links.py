@@ -310,10 +310,10 @@ def test_link_state_is_bounded_however_long_the_store(monkeypatch):
         waiting, live = [c for v in net.waiting.values() for c in v], set(map(id, net.conns.values()))
         assert len(waiting) == len(set(map(id, waiting))) and all(c.held and id(c) in live for c in waiting)
         open_buckets = sum(len(p.buckets) for p in net.pairs.values())
-        assert len(net.due_heap) == open_buckets <= 3 * (nc.CLOSE_AFTER_NS // nc.BUCKET_NS + 4)
+        assert len(net.closing.heap) == open_buckets <= 3 * (nc.CLOSE_AFTER_NS // nc.BUCKET_NS + 4)
         if k in (99, 399):
             sizes.append((len(net.conns), len(net.endpoints), len(net.pairs), open_buckets, len(m.heap)))
     assert sizes[0] == sizes[1]
     assert m.anomalies["link-conns-evicted"] > 0 and m.anomalies["link-pairs-over-bound"] > 0
     m.finish(None, [])
-    assert all(not p.buckets for p in m.net.pairs.values()) and m.net.due_heap == []
+    assert all(not p.buckets for p in m.net.pairs.values()) and m.net.closing.heap == []

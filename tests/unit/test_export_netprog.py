@@ -258,10 +258,10 @@ def test_progress_state_is_bounded_however_long_the_store(monkeypatch):
         nc = m.nccl
         open_buckets = sum(len(link.buckets) for link in nc.links.values())
         assert len(nc.links) <= 5 and all(len(link.channels) <= 2 for link in nc.links.values())
-        assert len(nc.due_heap) == open_buckets <= 5 * (npg.CLOSE_AFTER_NS // npg.BUCKET_NS + 4)
+        assert len(nc.closing.heap) == open_buckets <= 5 * (npg.CLOSE_AFTER_NS // npg.BUCKET_NS + 4)
         if k in (99, 399):
             sizes.append((len(nc.links), open_buckets, len(m.heap)))
     assert sizes[0] == sizes[1]
     assert m.anomalies["nccl-progress-links-over-bound"] > 0
     m.finish(None, [])
-    assert all(not link.buckets for link in m.nccl.links.values()) and m.nccl.due_heap == []
+    assert all(not link.buckets for link in m.nccl.links.values()) and m.nccl.closing.heap == []
