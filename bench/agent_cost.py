@@ -40,7 +40,8 @@ def threads_cpu(pid: int):
             with open(f"/proc/{pid}/task/{t}/comm") as f:
                 name = f.read().strip()
             with open(f"/proc/{pid}/task/{t}/schedstat") as f:
-                out[(t, name)] = int(f.read().split()[0])
+                run_ns, _, slices = f.read().split()[:3]  # on-CPU ns, runqueue ns, times it ran (wakeups)
+                out[(t, name)] = (int(run_ns), int(slices))
         except OSError:
             pass
     return out
@@ -101,11 +102,13 @@ def idle(seconds: float) -> dict:
         coll.wait(30)
         os.unlink(log.name)
     wall = t1 - t0
-    per = {}
-    for (tid, name), ns in b.items():
+    per, wakes = {}, {}
+    for (tid, name), (ns, slices) in b.items():
         name = names.get(tid, name)
-        per[name] = per.get(name, 0) + (ns - a.get((tid, name if tid not in names else a_name(a, tid)), ns)) / 1e9 / wall
-    return {"wall_s": wall, "cpu": sum(per.values()), "threads": per, "rss_mib": stats["rss_mib"]}
+        ns0, slices0 = a.get((tid, name if tid not in names else a_name(a, tid)), (ns, slices))
+        per[name] = per.get(name, 0) + (ns - ns0) / 1e9 / wall
+        wakes[name] = wakes.get(name, 0) + (slices - slices0) / wall
+    return {"wall_s": wall, "cpu": sum(per.values()), "threads": per, "wakeups": wakes, "rss_mib": stats["rss_mib"]}
 
 
 def drain_records(ncoll: int):
@@ -194,6 +197,7 @@ def write_results(r: dict, cmd: str) -> None:
     i = r["idle"]
     top = sorted(i["threads"].items(), key=lambda kv: -kv[1])
     threads = ", ".join(f"{name} {v * 100:.3f} %" for name, v in top if v * 100 >= 0.005)
+    wakes = ", ".join(f"{name} {v:.1f}" for name, v in sorted(i["wakeups"].items(), key=lambda kv: -kv[1]) if v >= 0.05)
     rows = [f"| {n:,} | {v['events']:,} | {v['drain_us']:,.0f} us | {v['translate_us']:.2f} us | {v['encode_us']:.2f} us | "
             f"{v['translate_us'] + v['encode_us']:.2f} us |" for n, v in r["per_event"].items()]
     body = f"""### Agent cost: idle, and per event on the collective path
@@ -205,6 +209,7 @@ second, after its /proc scans slowed to their idle pace; the collector in anothe
 | figure | value |
 |---|---|
 | agent process, idle | **{i['cpu'] * 100:.3f} % of one core** ({threads}) |
+| agent wakeups, idle | {sum(i['wakeups'].values()):.1f} a second ({wakes}) |
 | agent resident memory | {i['rss_mib']:.0f} MiB |
 
 Per event on the collective path, in one process (CPU time, process_time): drains of real-shaped gloo

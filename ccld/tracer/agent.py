@@ -254,16 +254,19 @@ class Agent:
                 self._not_ranks[key] = None
                 continue
             self._add(ident)
-        dead = [pid for pid in self.ranks if not discover.alive(pid)]
+        # One read of each rank's stat a scan: whether it is alive, its state, its address space's size.
+        stats = {pid: procstate.read_stat(pid) for pid in self.ranks}
+        dead = [pid for pid, st in stats.items() if st is None or st.state in "ZX"]
         if dead:  # drain first: forgetting a pid drops its records, and a dead rank's last ones matter most
             for fam, _ in self.families:
                 fam.poll(0)
         for pid in dead:
             self._forget(pid, reason="exited", exited=True)
         for pid, r in list(self.ranks.items()):
-            self._try_attach(r)
+            stat = stats.get(pid)
+            self._try_attach(r, -1 if stat is None else stat.vsize)
             if now - r.last_state_at >= PROC_INTERVAL_S:
-                st = procstate.read_state(pid)
+                st = procstate.read_state(pid, stat)
                 if st is not None:
                     r.last_state, r.last_state_at = st, now
                     self.shipper.put(ev.RankState(pid=pid, rank=r.ident.rank, ts_ns=time.monotonic_ns(),
@@ -285,7 +288,9 @@ class Agent:
         self.shipper.put(self._rank_info(r))
         self._try_attach(r)
 
-    def _try_attach(self, r: Rank) -> None:
+    def _try_attach(self, r: Rank, vsize: Optional[int] = None) -> None:
+        """Attach the families not yet on this rank whose library it maps (`vsize`: its address
+        space's size when the caller has just read its stat)."""
         pending = [fam for fam, _ in self.families if fam.NAME not in r.attached and fam.NAME not in r.failed]
         if not pending:
             return
@@ -296,7 +301,9 @@ class Agent:
             # One read of the maps for every library family, and only when the address space changed
             # (libraries come with an import or a dlopen) or MAPS_RECHECK_S passed: a torch rank's maps
             # are ~1 ms of reading, and a CPU job never maps libnccl nor libibverbs.
-            vsize, now = procstate.vsize(r.ident.pid), time.monotonic()
+            if vsize is None:
+                vsize = procstate.vsize(r.ident.pid)
+            now = time.monotonic()
             if vsize != r.maps_vsize or now - r.maps_read_at >= MAPS_RECHECK_S:
                 r.maps_vsize, r.maps_read_at = vsize, now
                 maps = read_maps(r.ident.pid)

@@ -19,6 +19,7 @@ from ccld.errors import CcldError
 log = logging.getLogger("ccld.procstate")
 
 _TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+SMALL_READ = 4096  # bytes a read of a small /proc file asks for (stat is a few hundred; wchan a name)
 
 STATE_NAMES = {"R": "running", "S": "sleeping", "D": "disk wait", "T": "stopped", "t": "traced/stopped",
                "Z": "zombie", "X": "dead", "I": "idle"}
@@ -68,13 +69,28 @@ def parse_stat(raw: bytes, source: str) -> Stat:
                 stime=number(15, "stime"), starttime=number(22, "starttime"), vsize=number(23, "vsize"))
 
 
+def read_small(path: str) -> bytes:
+    """A small /proc file's bytes in three system calls (open, read, close); Python's open() makes
+    eight (fstat twice, a terminal check, two seeks), and the agent reads a few of these per rank a
+    second. OSError when it cannot be opened or read (the process is gone)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while True:
+            got = os.read(fd, SMALL_READ)
+            chunks.append(got)
+            if len(got) < SMALL_READ:  # procfs hands a small file over in one read
+                return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_stat(pid: int, proc: str = "/proc") -> Optional[Stat]:
     """PROC/PID/stat parsed, or None when the process is gone (or its stat cannot be parsed: logged).
     `proc`: where procfs is mounted (a fake tree in tests)."""
     source = f"{proc}/{pid}/stat"
     try:
-        with open(source, "rb") as f:
-            raw = f.read()
+        raw = read_small(source)
     except OSError:
         return None
     try:
@@ -84,14 +100,15 @@ def read_stat(pid: int, proc: str = "/proc") -> Optional[Stat]:
         return None
 
 
-def read_state(pid: int) -> Optional[Tuple[str, str, int]]:
-    """(state letter, wchan, cpu_ns) of the process's main thread, or None when it is gone."""
-    st = read_stat(pid)
+def read_state(pid: int, st: Optional[Stat] = None) -> Optional[Tuple[str, str, int]]:
+    """(state letter, wchan, cpu_ns) of the process's main thread, or None when it is gone. `st`: its
+    stat when the caller has just read it."""
+    if st is None:
+        st = read_stat(pid)
     if st is None:
         return None
     try:
-        with open(f"/proc/{pid}/wchan", "rb") as f:
-            wchan = f.read().strip().decode(errors="replace")
+        wchan = read_small(f"/proc/{pid}/wchan").strip().decode(errors="replace")
     except OSError:
         wchan = ""
     return st.state, ("" if wchan == "0" else wchan), (st.utime + st.stime) * _TICK_NS

@@ -39,13 +39,17 @@ from ccld.tracer.spool import Spool
 log = logging.getLogger("ccld.shipper")
 
 FLUSH_INTERVAL_MS = 100   # end-to-end latency budget is seconds; 100 ms keeps frames few and small
-HEARTBEAT_S = 0.5         # with nothing queued, a frame (its clock sample: the agent's heartbeat) this
-                          # often, not every tick: the collector calls an agent silent after 3 s
+HEARTBEAT_S = 1.0         # with nothing queued, a frame (its clock sample: the agent's heartbeat) this
+                          # often, not every tick: the collector calls an agent silent after 3 s (two
+                          # heartbeats may be late or lost before it does); each idle wakeup costs CPU
 MAX_BATCH = 2048          # events per frame; ~25 B each as columns, ~150 B as maps -> ~300 KiB frames at most
 QUEUE_LIMIT = 200_000     # ~30 MiB of events waiting to become frames (the sender drains it every tick)
 SNDHWM = 64               # frames ZeroMQ may hold per connection before send would block
 LOSS_EVERY_S = 2.0        # how often the cumulative loss counters are shipped
-ACK_INTERVAL_S = 0.5      # "ack?" this often: the collector's store flushes every 0.5 s
+ACK_INTERVAL_S = 1.0      # "ack?" this often (the collector's store flushes every 0.5 s): frames wait in
+                          # the spool up to ~1.5 s longer; asked as often as heartbeats go, no more
+ACK_SLACK_S = 0.1         # ... sent with a wakeup that comes up to this much before it is due (wakeups
+                          # HEARTBEAT_S apart would otherwise just miss it and ask every other one)
 STALL_S = 5.0             # acks answered but not advancing this long while frames are out: send them again
 STALL_MAX_S = 60.0        # ... and again after twice as long each time (a slow collector is not flooded)
 STOP_POLL_S = 0.02        # close(): how often the last sends and acks are tried
@@ -180,9 +184,10 @@ class Shipper:
         CPU here: an idle agent should not pay ten a second for nothing)."""
         if self.queued or self.spool.unsent() or (self.sync is not None and not self.sync.settled.is_set()):
             return FLUSH_INTERVAL_MS / 1000
+        # No wakeup of its own for "ack?": it rides on the next one (at least every HEARTBEAT_S), see
+        # _exchange_acks.
         now = time.monotonic()
-        due = min(self._last_frame_at + HEARTBEAT_S, last_loss + LOSS_EVERY_S,
-                  self._next_ack if self._acker is not None else float("inf"))
+        due = min(self._last_frame_at + HEARTBEAT_S, last_loss + LOSS_EVERY_S)
         return min(max(FLUSH_INTERVAL_MS / 1000, due - now), HEARTBEAT_S)
 
     def _run(self) -> None:
@@ -275,7 +280,7 @@ class Shipper:
                 self._no_acks_said = True
                 self.say(f"ccld: note: no acknowledgement from {self._acker.endpoint} (an older collector, "
                          "or its time service is off): frames sent before a collector restart are not replayed")
-        if now >= self._next_ack:
+        if now >= self._next_ack - ACK_SLACK_S:
             self._next_ack = now + ACK_INTERVAL_S
             floors = self.spool.floors()
             floors.setdefault(self.agent, self._batch_no + 1)
