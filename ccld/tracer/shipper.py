@@ -50,6 +50,7 @@ ACK_INTERVAL_S = 1.0      # "ack?" this often (the collector's store flushes eve
                           # the spool up to ~1.5 s longer; asked as often as heartbeats go, no more
 ACK_SLACK_S = 0.1         # ... sent with a wakeup that comes up to this much before it is due (wakeups
                           # HEARTBEAT_S apart would otherwise just miss it and ask every other one)
+FINISH_ACK_S = 0.25       # ... but while stopping (close()'s deadline is 2 s) as often as this
 STALL_S = 5.0             # acks answered but not advancing this long while frames are out: send them again
 STALL_MAX_S = 60.0        # ... and again after twice as long each time (a slow collector is not flooded)
 STOP_POLL_S = 0.02        # close(): how often the last sends and acks are tried
@@ -323,7 +324,9 @@ class Shipper:
         """Stopping: send what is left and wait for its acknowledgement, until close()'s deadline."""
         while time.monotonic() < self._stop_by:
             self._watch()
-            self._exchange_acks(time.monotonic())
+            now = time.monotonic()
+            self._next_ack = min(self._next_ack, now + FINISH_ACK_S)  # the last frames' acks, soon
+            self._exchange_acks(now)
             self._send()
             if self.spool.unsent() == 0 and (not self.spool.retain or self.spool.unacked() == 0):
                 return

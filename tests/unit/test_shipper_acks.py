@@ -171,3 +171,29 @@ def test_an_outage_beyond_the_bound_costs_the_oldest_frames_counted(tmp_path):
     with c2.lock:
         reported = c2.timeline.agent_loss[AGENT]
     assert reported["spool_dropped_frames"] == st["spool_dropped_frames"] > 0  # and the collector was told
+
+
+def test_close_has_the_last_frames_acknowledged_before_its_deadline(tmp_path):
+    """Idle, "ack?" goes once a second (with the heartbeat, no timer of its own); the frames sent at
+    close() are still acknowledged within its 2 s (stopping, it is asked every FINISH_ACK_S), so a
+    spool in memory counts none of them as lost."""
+    port = free_port_pair()
+    c = collector(port, tmp_path / "store")
+    s = shipper(port, Spool(None, collector=f"tcp://127.0.0.1:{port}"))
+    try:
+        for i in range(5):
+            s.put(state(i))
+        acked_all(s, 5)
+        time.sleep(0.3)  # an "ack?" just went: the next one would be ~1 s away
+        for i in range(5, 12):
+            s.put(state(i))
+        s.kick()
+        t0 = time.monotonic()
+    finally:
+        s.close()
+        took = time.monotonic() - t0
+        c.stop()
+    assert s.spool.acked(AGENT) >= s.last_batch, s.stats()
+    assert took < 2.0, took
+    got, _ = stored_states(tmp_path / "store")
+    assert sorted(got) == list(range(12))
