@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
-from ccld.tracer.procstate import read_stat
+from ccld.tracer.procstate import read_small, read_stat
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,8 @@ def ppid_of(pid: int) -> int:
 
 def _cmdline(pid: int) -> str:
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return redact(f.read().replace(b"\0", b" ").decode(errors="replace").strip())
+        raw = read_small(f"/proc/{pid}/cmdline")  # every scan, for each non-rank below the launcher
+        return redact(raw.replace(b"\0", b" ").decode(errors="replace").strip())
     except OSError:
         return ""
 
