@@ -32,7 +32,7 @@ from ccld.collector.timesvc import start_time_service
 from ccld.diagnose import Diagnoser
 from ccld.diagnose.findings import Finding, format_line
 from ccld.diagnose.tracker import FindingTracker
-from ccld.diagnose.thresholds import AGENT_SILENT_S
+from ccld.diagnose.thresholds import AGENT_LAG_S, AGENT_SILENT_S
 from ccld.diagnose.stack import StackTaker
 from ccld.errors import CcldError
 from ccld.security import ServerKeys, check_listen, secure_server
@@ -103,6 +103,7 @@ class Collector:
                                    stacks=StackTaker(is_rank) if stacks else None)
         self.tracker = FindingTracker()
         self._silent_agents: set = set()
+        self._lagging_agents: set = set()
         self.findings: List[Finding] = []
         self.recoveries: List[Dict[str, Any]] = []
         self.updates = 0
@@ -328,6 +329,8 @@ class Collector:
             found = self.diagnoser.diagnose(now)
             changes = self.tracker.step(found, now)
             silent = {a for a in self.timeline.agents if self.timeline.agent_is_silent(a, now, AGENT_SILENT_S)}
+            lagging = {a: self.timeline.agent_lag_s(a, now) for a in self.timeline.agents
+                       if a not in silent and self.timeline.agent_is_lagging(a, now, AGENT_LAG_S)}
         if stacks:
             self.diagnoser.add_stacks(changes.new)  # py-spy, tens of ms per rank: not under the lock
         for a in sorted(silent - self._silent_agents):
@@ -336,6 +339,12 @@ class Collector:
         for a in sorted(self._silent_agents - silent):
             self._say(f"ccld: agent {a} is back")
         self._silent_agents = silent
+        for a in sorted(set(lagging) - self._lagging_agents):
+            self._say(f"ccld: agent {a}'s ranks' records are {lagging[a]:.0f} s behind its heartbeats (its drains "
+                      "stalled, or the node was frozen): hang detection for its ranks is paused until they come")
+        for a in sorted(self._lagging_agents - set(lagging) - silent):
+            self._say(f"ccld: agent {a} has caught up")
+        self._lagging_agents = set(lagging)
         for f in changes.new:
             self._emit(format_line(f), f.json_line())
             with self._out_lock:

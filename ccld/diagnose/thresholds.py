@@ -11,7 +11,9 @@ working (busy on CPU or in disk I/O, e.g. writing a checkpoint: activity.py) whi
 gets BUSY_FLOOR_S instead of the floor. Times: Unix seconds.
 A rank whose agent went silent (killed, partitioned) would look like a rank that has not entered,
 so a communicator with such a member is not judged until its agent speaks again (AGENT_SILENT_S,
-`Blindness`). hang.py (collectives) and p2phang.py (sends and receives) judge by these.
+`Blindness`); so is one whose agent still sends heartbeats but not its ranks' records (AGENT_LAG_S:
+its drain stalled, or the node or this collector was frozen for seconds: a CI run once saw every rank
+of a healthy job look hung at once, 11-12 s at a time, as a paused VM would make them). hang.py (collectives) and p2phang.py (sends and receives) judge by these.
 """
 from __future__ import annotations
 
@@ -27,10 +29,18 @@ LEARN_S = 15.0         # ... and at least LEARN_MIN_OPS of them: the job's own w
 LEARN_MIN_OPS = 100    # 12 of the agent's 250 ms drains. (60 s before issue 18: a DDP hang 20 s into a job
                        # was named after the 5 s floor; K x the worst spread seen keeps slow-arriving jobs safe)
 K = 4.0         # x the job's own worst recent spread/duration
-AGENT_SILENT_S = 3.0  # agents send a frame every 100 ms; 3 s without one means we are blind there
+AGENT_SILENT_S = 3.0  # agents send a frame every 100 ms; 3 s without one means we are blind there ...
+AGENT_LAG_S = 3.0     # ... and so are we when its latest /proc state (every ~1 s, after a drain) is this old:
+                      # heartbeats still come, but its ranks' records do not (a stalled drain, a frozen VM)
 # A missing rank that is busy (CPU or disk) while its peers wait is most likely checkpointing or
 # evaluating: it is a hang only after this long (or K x the job's longest such wait, if longer).
 BUSY_FLOOR_S = 120.0
+
+
+def blind_agents(tl: Timeline, now: float) -> Set[str]:
+    """Agents whose ranks cannot be judged at `now`: silent, or lagging (Timeline.agent_is_lagging)."""
+    return {a for a in tl.agents
+            if tl.agent_is_silent(a, now, AGENT_SILENT_S) or tl.agent_is_lagging(a, now, AGENT_LAG_S)}
 
 
 class Blindness:
@@ -40,7 +50,7 @@ class Blindness:
 
     def __init__(self, tl: Timeline, now: float):
         self.tl = tl
-        self.silent = {a for a in tl.agents if tl.agent_is_silent(a, now, AGENT_SILENT_S)}
+        self.silent = blind_agents(tl, now)
         self._by_job: Optional[Dict[str, Set[int]]] = None
 
     def members(self, comm: Comm, members: Set[int]) -> List[int]:

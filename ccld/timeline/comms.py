@@ -15,7 +15,7 @@ retired pid are dropped as stale.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ccld import wire as ev
 from ccld.timeline.align import per_process
@@ -33,6 +33,25 @@ PEAK_BUCKET_S = 300.0         # arrival-spread/duration peaks are kept per 5-min
 PEAK_BUCKETS = 12             # ... for an hour: a checkpoint every N minutes is still remembered
 
 
+STATE_SCAN_GAP_S = 0.25  # RankStates further apart than this came from different scans of the agent
+
+
+def horizon(info: Dict[str, Any], t: float) -> None:
+    """An agent's data horizon (Timeline.agent_lag_s): its latest RankState time, and the typical
+    period of its scans (EWMA over scans: one scan's RankStates are microseconds apart)."""
+    prev = info.get("state_at")
+    if prev is not None and t <= prev:
+        return
+    info["state_at"] = t
+    scan = info.get("state_scan_at")
+    if scan is None or t - scan >= STATE_SCAN_GAP_S:
+        if scan is not None:
+            gap = t - scan
+            info["state_period_s"] = gap if "state_period_s" not in info else 0.8 * info["state_period_s"] + 0.2 * gap
+        info["state_scan_at"] = t
+        info["state_scans"] = info.get("state_scans", 0) + 1
+
+
 def rank_event(tl: Timeline, agent: str, node: str, e: ev.Event, t: float) -> None:
     """One of _RANK_EVENTS (timeline.py) of process (node, e.pid), at Unix time `t`."""
     rec = tl.ranks.get((node, e.pid))
@@ -42,6 +61,9 @@ def rank_event(tl: Timeline, agent: str, node: str, e: ev.Event, t: float) -> No
         rec.saw(t)
     rank = e.rank if e.rank >= 0 else (rec.rank if rec else -1)
     if isinstance(e, ev.RankState):
+        info = tl.agents.get(agent)
+        if info is not None:
+            horizon(info, t)
         if rec is not None:
             if rec.state_at is not None and rec.cpu_ns >= 0 and e.cpu_ns >= rec.cpu_ns and t > rec.state_at:
                 rec.cpu_busy = (e.cpu_ns - rec.cpu_ns) / 1e9 / (t - rec.state_at)

@@ -41,6 +41,8 @@ MAX_RANKS = 100_000           # processes per collector
 MAX_WORLD_SIZE = 1 << 17      # 131,072 ranks: above the largest jobs run today; a bigger value is a corrupt event
 SMALL_WORLD = 64              # a world this small is believed before its ranks are announced (tests, small jobs)
 MAX_PENDING_NO_CLOCK = 100_000  # events held until their agent's first clock sample (sent every batch)
+LAG_MIN_SCANS = 3             # an agent's RankStates are its data horizon once they came from this many scans
+LAG_PERIODS = 3.0             # ... and it is lagging when none came for this many of its scan periods
 
 _RANK_EVENTS = (ev.RankState, ev.RankExit, ev.CommInit, ev.CollEnter, ev.WorkStart, ev.WorkEnd, ev.P2P,
                 ev.P2PEnd)  # applied by comms.rank_event
@@ -331,6 +333,25 @@ class Timeline:
     def agent_silent_s(self, agent: str, now: float) -> Optional[float]:
         info = self.agents.get(agent)
         return None if info is None or "last_recv" not in info else max(0.0, now - info["last_recv"])
+
+    def agent_lag_s(self, agent: str, now: float) -> Optional[float]:
+        """How far behind `now` the agent's data is known complete: its agent ships each rank's /proc
+        state every second, after the ring-buffer drain before it (tracer/agent.py), so the latest
+        RankState's time says up to when that agent's probe records are in. None when it sent none."""
+        info = self.agents.get(agent)
+        at = None if info is None else info.get("state_at")
+        return None if at is None else max(0.0, now - at)
+
+    def agent_is_lagging(self, agent: str, now: float, floor_s: float) -> bool:
+        """True when the agent, which has shown a cadence of RankStates (LAG_MIN_SCANS scans), sent
+        none for more than max(floor_s, LAG_PERIODS x its scan period) while frames may still come (its
+        shipper's heartbeats are another thread): its drains stalled, or it, the node or this collector
+        was frozen, and what its ranks did since is not in yet. A source with no such cadence (a
+        synthetic or imported one) is never lagging."""
+        info = self.agents.get(agent)
+        if info is None or info.get("state_scans", 0) < LAG_MIN_SCANS or "state_period_s" not in info:
+            return False
+        return now - info["state_at"] > max(floor_s, LAG_PERIODS * info["state_period_s"])
 
     def agent_is_silent(self, agent: str, now: float, floor_s: float) -> bool:
         """True when the agent, which normally sends often, has sent nothing for far longer than usual:

@@ -204,9 +204,18 @@ class Agent:
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        # Each pass drains the ring buffers first, then scans /proc: a rank's RankState is put after
+        # the records that came before it, so the collector reads the latest one as "this agent's
+        # records up to here are in" (Timeline.agent_lag_s) and judges no wait past it.
         next_scan = next_announce = next_nic = 0.0
         poll_ms = POLL_MS
-        while not self._stop.is_set():
+        while True:
+            self.sinks.poll()  # before the families drain: see sinks.py (one source per NCCL collective)
+            now_ns = time.monotonic_ns()
+            came = False
+            for fam, _ in self.families:  # each drains what came (or, kernel families, when their interval is up)
+                came |= bool(fam.tick(now_ns))
+            poll_ms = POLL_MS if came else min(IDLE_POLL_MS, poll_ms * 2)
             now = time.monotonic()
             if now >= next_scan:
                 try:
@@ -225,15 +234,10 @@ class Agent:
                     self._sample_nic()
                 except Exception:  # a bug in the counter reader must not end tracing
                     log.exception("NIC counter sample failed")
-            self._stop.wait(poll_ms / 1000)
-            self.sinks.poll()  # before the families drain: see sinks.py (one source per NCCL collective)
-            now_ns = time.monotonic_ns()
-            came = False
-            for fam, _ in self.families:  # each drains what came (or, kernel families, when their interval is up)
-                came |= bool(fam.tick(now_ns))
-            poll_ms = POLL_MS if came else min(IDLE_POLL_MS, poll_ms * 2)
             if self.shipper.queued:
-                self.shipper.kick()  # one wakeup of the sender per drain that made events
+                self.shipper.kick()  # one wakeup of the sender per pass that made events
+            if self._stop.wait(poll_ms / 1000):
+                return
 
     def _candidates(self) -> Set[int]:
         if self.discover_all:
