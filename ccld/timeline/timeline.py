@@ -347,11 +347,20 @@ class Timeline:
         none for more than max(floor_s, LAG_PERIODS x its scan period) while frames may still come (its
         shipper's heartbeats are another thread): its drains stalled, or it, the node or this collector
         was frozen, and what its ranks did since is not in yet. A source with no such cadence (a
-        synthetic or imported one) is never lagging."""
+        synthetic or imported one) is never lagging, nor an agent whose ranks have all exited."""
         info = self.agents.get(agent)
         if info is None or info.get("state_scans", 0) < LAG_MIN_SCANS or "state_period_s" not in info:
             return False
-        return now - info["state_at"] > max(floor_s, LAG_PERIODS * info["state_period_s"])
+        if now - info["state_at"] <= max(floor_s, LAG_PERIODS * info["state_period_s"]):
+            return False
+        # No RankState is due from an agent whose ranks all exited (a job that ended): looked up once
+        # per stale horizon, O(ranks), and remembered until a RankState moves it.
+        if info.get("idle_at") == info["state_at"]:
+            return False
+        if not any(r.agent == agent and not r.exited() for r in self.ranks.values()):
+            info["idle_at"] = info["state_at"]
+            return False
+        return True
 
     def agent_is_silent(self, agent: str, now: float, floor_s: float) -> bool:
         """True when the agent, which normally sends often, has sent nothing for far longer than usual:

@@ -126,3 +126,21 @@ def test_the_collector_says_when_an_agent_lags_and_when_it_caught_up():
         assert [x for x in lines if "caught up" in x] == ["ccld: agent agent-1 has caught up"], lines
     finally:
         col.stop()
+
+
+def test_an_agent_whose_ranks_all_exited_is_not_lagging():
+    # the job ended: its ranks' exits came, and no RankState is due any more
+    job, tl = SynthJob(), Timeline()
+    t = healthy(job, tl)
+    last = scans(job, tl, t + 1, 4)
+    for r in (2, 3):
+        job.exit(r, last + 0.5)
+    job.feed(tl, last + 0.55)
+    for i in range(1, 20):
+        heartbeat(job, tl, 1, last + 0.55 + i)
+    assert not tl.agent_is_lagging("agent-1", last + 20, 3.0)
+    assert tl.agent_is_lagging("agent-0", last + 20, 3.0)  # its ranks 0 and 1 are alive, and silent on records
+    job.state(2, last + 21, "R")  # a rank of that agent again (a restart): lagging is judged again
+    job.exit(2, last + 21.1)
+    job.feed(tl, last + 21.2)
+    assert not tl.agent_is_lagging("agent-1", last + 40, 3.0)
