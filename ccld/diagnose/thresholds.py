@@ -13,7 +13,8 @@ A rank whose agent went silent (killed, partitioned) would look like a rank that
 so a communicator with such a member is not judged until its agent speaks again (AGENT_SILENT_S,
 `Blindness`); so is one whose agent still sends heartbeats but not its ranks' records (AGENT_LAG_S:
 its drain stalled, or the node or this collector was frozen for seconds: a CI run once saw every rank
-of a healthy job look hung at once, 11-12 s at a time, as a paused VM would make them). hang.py (collectives) and p2phang.py (sends and receives) judge by these.
+of a healthy job look hung at once, 11-12 s at a time, as a paused VM would make them).
+hang.py (collectives) and p2phang.py (sends and receives) judge by these.
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def blind_agents(tl: Timeline, now: float) -> Set[str]:
 
 
 class Blindness:
-    """Which ranks' agents have been silent for longer than AGENT_SILENT_S at `now`, worked out once
-    per tick for every communicator: O(agents) to find the silent agents and, only when there are
+    """Which ranks' agents are blind at `now` (silent, or lagging: blind_agents), worked out once
+    per tick for every communicator: O(agents) to find the blind agents and, only when there are
     some, O(ranks) once to list their ranks per job (not O(members) per communicator)."""
 
     def __init__(self, tl: Timeline, now: float):

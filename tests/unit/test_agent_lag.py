@@ -91,8 +91,7 @@ def test_a_source_without_a_scan_cadence_is_never_lagging():
     # one RankState per rank (a synthetic or imported source): no cadence, so no horizon is inferred
     job, tl = SynthJob(), Timeline()
     t = healthy(job, tl)
-    for r in range(2):
-        heartbeat(job, tl, 0, t + 30)
+    heartbeat(job, tl, 0, t + 30)
     tl2 = Timeline()
     job2 = SynthJob()
     job2.announce(T0)
