@@ -17,10 +17,17 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def _wait_for_signal() -> None:
+def _on_signal() -> threading.Event:
+    """SIGINT and SIGTERM from now on set the event instead of raising: installed before a command
+    says it is ready, so a signal sent as soon as the line is read still stops it cleanly (it used to
+    come before the handler and leave the collector's threads running, the process alive)."""
     done = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: done.set())
+    return done
+
+
+def _wait_for(done: threading.Event) -> None:
     while not done.wait(0.5):
         pass
 
@@ -42,6 +49,7 @@ def cmd_collector(args) -> int:
             shutil.rmtree(tmp_store, ignore_errors=True)
         raise
     metrics = _serve_metrics(c, args.metrics)
+    done = _on_signal()
     _say(f"ccld collector: listening on {c.endpoint}"
          + (f", time service {c.time_service.endpoint}" if c.time_service else "")
          + (f", store {args.store}" if args.store else "")
@@ -49,7 +57,7 @@ def cmd_collector(args) -> int:
          + (f", metrics {metrics.url}/metrics" if metrics else "")
          + (f", trace {args.perfetto} at exit" if args.perfetto else "") + ". Ctrl-C to end")
     try:
-        _wait_for_signal()
+        _wait_for(done)
     finally:
         if metrics:
             metrics.stop()
@@ -90,10 +98,11 @@ def cmd_agent(args) -> int:
         agent.open_ncclprof_sink(args.nccl_plugin_socket)
     agent.start()
     what = f"pid {', '.join(map(str, args.pid))}" if args.pid else "every rank on this node"
+    done = _on_signal()
     _say(f"ccld agent: tracing {what}; sources: {', '.join(agent.all_sources)}; collector {args.collector}; "
          f"{agent.spool.describe()}. Ctrl-C to end")
     try:
-        _wait_for_signal()
+        _wait_for(done)
     finally:
         agent.stop()
         _say(_shipped_line(agent.shipper.stats()))

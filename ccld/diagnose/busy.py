@@ -11,7 +11,9 @@ Per job, each tick:
             earlier; frozen while a finding holds, so a long slowdown does not become its own normal
   culprit   a rank whose own work grew by >= MIN_DELTA and >= NOISE_Z spreads of its own variation,
             in most of the window's buckets (SPREAD_FRACTION: step after step, not one long stretch
-            such as a checkpoint, which is hang.py's pause),
+            such as a checkpoint, which is hang.py's pause), buckets in which operations of its ended
+            (one without any is a pause too, however long: its neighbours' one long wait ends in a
+            single bucket, and a window across it would otherwise see them wait more),
             while the other ranks' own work did not grow (<= OTHERS_FACTOR of the culprit's: a bigger
             batch grows everyone's, which is no culprit) and became a smaller share of their time by
             >= OTHERS_REL_DROP (the steps are longer: the job is slower for it; a rank that only used
@@ -19,6 +21,9 @@ Per job, each tick:
             together)
   finding   `comp-slow` (reason "own-work") once that held for PERSIST_S of ticks (misses shorter than
             PERSIST_GRACE_S do not restart the count).
+Caveat: a job whose steps are longer than ~1.5 buckets (3 s) ends operations in fewer than
+SPREAD_FRACTION of the buckets, so this rule names nobody there; arrival lateness (slow.py) and
+compute durations (compute.py) still judge it.
 Findings carry seq -1 and the communicator the culprits' p2p or collectives run on. Times: Unix
 seconds. Cost: numpy over the job's rows per tick (ranks x BASELINE_S / BUCKET_S values).
 """
@@ -111,12 +116,16 @@ class BusyDetector:
         grew = med[idx] - recent[idx]                         # own work grew = blocked share fell
         noise = np.maximum(spread[idx], 1e-3)
         cand = [r for r, g, s in zip(ranks, grew, noise) if g >= MIN_DELTA and g >= NOISE_Z * s]
-        if cand:  # step after step: the growth is in most of the window's buckets, not one long stretch
+        if cand:  # step after step: the growth is in most of the window's buckets, not one long stretch,
+            # and in buckets where the rank communicated: one with none of its operations ending is a pause
             per_bucket = [rows.window(b, b) for b in range(first, last + 1)]
-            if any(w is None for w in per_bucket):
+            ends = [rows.ends(b) for b in range(first, last + 1)]
+            if any(w is None for w in per_bucket) or any(e is None for e in ends):
                 return None
-            each = np.stack([w[np.array(cand)] for w in per_bucket])  # buckets x candidates
-            spread_ok = ((med[np.array(cand)] - each) >= MIN_DELTA / 2).mean(axis=0) >= SPREAD_FRACTION
+            sel = np.array(cand)
+            each = np.stack([w[sel] for w in per_bucket])           # buckets x candidates
+            talked = np.stack([e[sel] for e in ends]) > 0
+            spread_ok = (((med[sel] - each) >= MIN_DELTA / 2) & talked).mean(axis=0) >= SPREAD_FRACTION
             cand = [r for r, ok in zip(cand, spread_ok) if ok]
         culprits: List[int] = []
         if cand and len(cand) <= max(1, int(MAX_SHARE * len(ranks))):

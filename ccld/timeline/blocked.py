@@ -7,6 +7,9 @@ per BUCKET_S bucket, a ring of SERIES_BUCKETS, give any window's share); overlap
 rank count once: each rank's newest KEPT_INTERVALS counted intervals are kept and a new one counts
 only what they do not cover (ends come in any order: a frame carries collectives in column blocks
 and p2p ops as maps).
+Beside the totals, a count of the operations that ended per rank, snapshotted the same way (`ends`):
+a bucket in which none of a rank's operations ended is one in which it did not communicate at all (a
+checkpoint, an evaluation: a pause), not one of a step after step.
 1 - blocked share is the rank's own work (compute, data loading, waiting for a CPU): the slowdown
 detector (diagnose/busy.py) compares it with the rank's own past, so a stage that always waits (the
 last stage of a pipeline during warm-up) is normal, and one whose own work grew is the one others
@@ -41,12 +44,15 @@ class JobBlocked:
         self.total: Dict[int, float] = {}                         # rank -> blocked seconds so far
         self.counted: Dict[int, Deque[Tuple[float, float]]] = {}  # rank -> its newest counted intervals
         self.newest_end: Dict[int, float] = {}                    # rank -> the latest end among them
+        self.ended: Dict[int, int] = {}                           # rank -> operations ended so far
         self.rows = np.zeros((0, SERIES_BUCKETS), dtype=np.float64)  # cumulative totals at each bucket's end
+        self.end_rows = np.zeros((0, SERIES_BUCKETS), dtype=np.int64)  # cumulative `ended` likewise
         self.stamp = np.full(SERIES_BUCKETS, -1, dtype=np.int64)  # the absolute bucket each column holds
         self.first_bucket: Optional[int] = None                   # the first snapshot's
         self.last_bucket = -1
 
     def add(self, rank: int, start: float, end: float) -> None:
+        self.ended[rank] = self.ended.get(rank, 0) + 1
         kept = self.counted.get(rank)
         if kept is None:
             kept = self.counted[rank] = collections.deque(maxlen=KEPT_INTERVALS)
@@ -80,21 +86,31 @@ class JobBlocked:
             return  # time went back (a replay's first tick after a gap): keep what is recorded
         n = max(self.total, default=-1) + 1
         if n > len(self.rows):
-            grown = np.zeros((max(n, 2 * len(self.rows), 8), SERIES_BUCKETS))
+            size = max(n, 2 * len(self.rows), 8)
+            grown = np.zeros((size, SERIES_BUCKETS))
             grown[:len(self.rows)] = self.rows
-            self.rows = grown
+            grown_ends = np.zeros((size, SERIES_BUCKETS), dtype=np.int64)
+            grown_ends[:len(self.end_rows)] = self.end_rows
+            self.rows, self.end_rows = grown, grown_ends
         cur = np.zeros(len(self.rows))
+        cur_ends = np.zeros(len(self.rows), dtype=np.int64)
         if self.total:
             cur[np.fromiter(self.total.keys(), dtype=np.int64, count=len(self.total))] = \
                 np.fromiter(self.total.values(), dtype=np.float64, count=len(self.total))
+        if self.ended:
+            cur_ends[np.fromiter(self.ended.keys(), dtype=np.int64, count=len(self.ended))] = \
+                np.fromiter(self.ended.values(), dtype=np.int64, count=len(self.ended))
         if self.first_bucket is None:
             self.first_bucket = b
         elif b > self.last_bucket + 1:  # buckets without a tick: nothing was seen to end in them
             prev = self.rows[:, self.last_bucket % SERIES_BUCKETS].copy()
+            prev_ends = self.end_rows[:, self.last_bucket % SERIES_BUCKETS].copy()
             for gap in range(max(self.last_bucket + 1, b - SERIES_BUCKETS + 1), b):
                 self.rows[:, gap % SERIES_BUCKETS] = prev
+                self.end_rows[:, gap % SERIES_BUCKETS] = prev_ends
                 self.stamp[gap % SERIES_BUCKETS] = gap
         self.rows[:, b % SERIES_BUCKETS] = cur
+        self.end_rows[:, b % SERIES_BUCKETS] = cur_ends
         self.stamp[b % SERIES_BUCKETS] = b
         self.last_bucket = b
 
@@ -108,6 +124,12 @@ class JobBlocked:
         if self.stamp[a] != first - 1 or self.stamp[z] != last:
             return None
         return (self.rows[:, z] - self.rows[:, a]) / ((last - first + 1) * BUCKET_S)
+
+    def ends(self, bucket: int) -> Optional[np.ndarray]:
+        """Operations that ended per rank in one bucket (absolute), or None when not snapshotted."""
+        if self.window(bucket, bucket) is None:
+            return None
+        return self.end_rows[:, bucket % SERIES_BUCKETS] - self.end_rows[:, (bucket - 1) % SERIES_BUCKETS]
 
 
 class BlockedTable:

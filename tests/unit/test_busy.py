@@ -163,3 +163,42 @@ def test_a_slow_link_between_two_stages_is_comm_slow_on_that_link():
 def test_every_link_slower_names_no_link():
     found, _ = run_link(link_ms={(0, 1): 20.0, (1, 2): 20.0, (2, 3): 20.0})
     assert [f for _, f in found if f.cls == "comm-slow"] == []
+
+
+def test_one_rank_checkpointing_20_s_is_a_pause_not_a_slowdown():
+    """Rank 0 writes a checkpoint for 20 s (no collective of its ends meanwhile) while the others wait
+    in one all-reduce: their 20 s wait is counted when it ends, in one bucket. Rank 0's own work is
+    100 % of every bucket of the checkpoint, but that is a pause (hang.py's informational finding),
+    not work that grew step after step: no comp-slow (CI once named rank 0, +267 ms/s)."""
+    job, tl = SynthJob(world=4), Timeline()
+    job.announce(T0)
+    d, found = Diagnoser(tl), []
+    t, seq, next_feed = T0 + 1, 1, T0 + 1.5
+
+    def tick(until):
+        nonlocal next_feed
+        while next_feed <= until:
+            job.feed(tl, next_feed)
+            found.extend((next_feed, f) for f in d.find_slow(next_feed))
+            next_feed += 0.5
+
+    def healthy(seconds):
+        nonlocal t, seq
+        for _ in range(int(seconds / 0.1)):
+            end = job.collective(seq, t, dur=0.03)  # every rank waits ~30 % of its time
+            seq, t = seq + 1, t + 0.1
+            tick(end)
+
+    healthy(150)
+    ckpt = t
+    for r in (1, 2, 3):  # the others enter and wait; rank 0 comes 20 s later
+        job.enter(r, seq, t)
+    tick(t + 20.0)
+    job.enter(0, seq, t + 20.0)
+    for r in range(4):
+        job.start(r, seq, t + 20.0)
+        job.end(r, seq, t + 20.03)
+    seq, t = seq + 1, t + 20.1
+    healthy(60)
+    assert [(round(at - ckpt, 1), f.cls, f.ranks, f.evidence.get("reason")) for at, f in found
+            if f.kind == "slow" and not f.evidence.get("informational")] == []

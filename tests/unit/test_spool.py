@@ -322,37 +322,50 @@ def test_a_long_non_ascii_agent_id_reads_back_whole(tmp_path):
 def test_a_crash_loop_holds_no_file_open_per_old_segment(tmp_path):
     """Every start writes a new segment, so an agent killed and restarted 250 times finds 250 of them.
     Only the lock, the segment being written and the one being read may hold a file descriptor open:
-    with one per old segment, a 256-fd limit ran out and the spool fell back to memory."""
+    with one per old segment, a 256-fd limit ran out and the spool fell back to memory. Run in a child
+    process of its own: it counts the process's descriptors and lowers its limit, which threads other
+    tests left in this one (their collectors, agents) would change or suffer from."""
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", "import sys, test_spool; test_spool._crash_loop(sys.argv[1])",
+                        str(tmp_path / "spool")], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert p.stdout.strip() == "ok", p.stdout
+
+
+def _crash_loop(d: str) -> None:
     restarts = 250
-    d = tmp_path / "spool"
     base = open_fds()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(base + 64, hard), hard))  # far fewer than 250 spare
-    try:
-        for i in range(1, restarts + 1):
-            lines = []
-            s = open_spool(d, lines)
-            assert s.on_disk and s.restored_frames == i - 1, lines
-            fill(s, [i])
-            assert open_fds() - base <= 2  # the lock, the segment being written
-            kill(s)
-        assert len(segments(d)) == restarts
-        s = open_spool(d)
-        s.retain = True
-        got, most = [], 0
-        while (f := s.peek()) is not None:  # a replay reads back every old segment, one at a time
-            got.append(ev.decode_batch(f[0]).batch)
-            s.sent()
-            most = max(most, open_fds() - base)
-        assert got == list(range(1, restarts + 1)) and most <= 2  # the lock, the segment being read
-        fill(s, [restarts + 1])
-        assert open_fds() - base <= 3  # ... and the one being written
-        s.ack("a1", restarts + 1)
-        assert s.held() == 0
-        s.close()
-        assert open_fds() == base and segments(d) == []
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    for i in range(1, restarts + 1):
+        lines = []
+        s = open_spool(d, lines)
+        assert s.on_disk and s.restored_frames == i - 1, (i, lines)
+        fill(s, [i])
+        assert open_fds() - base <= 2, (i, os.listdir("/proc/self/fd"))  # the lock, the segment being written
+        kill(s)
+    assert len(segments(d)) == restarts
+    s = open_spool(d)
+    s.retain = True
+    got, most = [], 0
+    while (f := s.peek()) is not None:  # a replay reads back every old segment, one at a time
+        got.append(ev.decode_batch(f[0]).batch)
+        s.sent()
+        most = max(most, open_fds() - base)
+    want = list(range(1, restarts + 1))
+    assert got == want, (f"missing {sorted(set(want) - set(got))[:20]}, extra {sorted(set(got) - set(want))[:20]}, "
+                         f"{len(got)} read; open errors {s.open_errors}, disk errors {s.disk_errors}, "
+                         f"dropped {s.dropped_frames}")
+    assert most <= 2, most  # the lock, the segment being read
+    fill(s, [restarts + 1])
+    assert open_fds() - base <= 3  # ... and the one being written
+    s.ack("a1", restarts + 1)
+    assert s.held() == 0
+    s.close()
+    assert open_fds() == base and segments(d) == []
+    print("ok")
 
 
 def test_no_descriptor_to_spare_for_a_replay_loses_nothing_and_a_removed_file_is_counted_once(tmp_path):
