@@ -45,7 +45,7 @@ class Attachment:
     pid: int
     lib: str
     points: List[Tuple[str, int]] = field(default_factory=list)  # (symbol, address)
-    events: List[bytes] = field(default_factory=list)            # bcc's names of our perf events
+    events: List[int] = field(default_factory=list)              # our uprobes' perf event fds
     missing: List[str] = field(default_factory=list)             # optional prefixes not found
     ret_points: List[Tuple[str, int]] = field(default_factory=list)  # (symbol, address) of uretprobes
     config: Dict[str, Any] = field(default_factory=dict)             # what the family read off the library
@@ -130,8 +130,11 @@ class Family:
 
     def _compile(self) -> None:
         """Load the program: from the compiled-program cache (progcache.py) when it holds this text,
-        these cflags and this kernel, else compile it with bcc and keep the result there."""
+        these cflags and this kernel, else compile it with bcc in a child process (compile.py) and
+        keep the result there. Either way the program is loaded by program.Program: this process
+        never imports bcc."""
         from ccld.bpf import progcache
+        from ccld.bpf.program import Program
         try:
             key = self.cache_key()
         except OSError as e:
@@ -140,26 +143,21 @@ class Family:
         spec = progcache.lookup(directory, key)
         if spec is not None:
             try:
-                self.bpf = progcache.cached_bpf(spec)
+                self.bpf = Program(spec)
                 self.from_cache = True
                 return
             except Exception as e:  # a kernel the key did not tell apart, a damaged file: compile again
                 log.warning("%s: cached program did not load (%s); compiling it", self.NAME, e)
                 progcache.forget(directory, key)
-        from bcc import BPF
-        from ccld.bpf.kheaders import ensure_kernel_headers
-        ensure_kernel_headers()
+        from ccld.bpf.compile import compile_spec
+        spec = compile_spec(self.source_path(), self.all_cflags())
         try:
-            self.bpf = BPF(src_file=self.source_path().encode(), cflags=self.all_cflags())
+            self.bpf = Program(spec)
         except Exception as e:
-            raise EnvironmentProblem(f"could not compile/load {self.SOURCE}: {e}",
-                                     "check kernel headers (apt-get install linux-headers-amd64) and that you are root")
+            raise EnvironmentProblem(f"could not load {self.SOURCE}: {e}", "are you root (CAP_BPF, CAP_PERFMON)?")
         self.from_cache = False
         if directory is not None:
-            try:
-                progcache.save(directory, key, progcache.describe(self.bpf))
-            except Exception:  # the cache is an optimisation: a program it cannot describe is just compiled
-                log.exception("%s: cannot keep the compiled program", self.NAME)
+            progcache.save(directory, key, spec)
 
     def load(self, program=None) -> None:
         """Load the program (`program`: one progcache.preload() already put in the kernel)."""
@@ -224,15 +222,14 @@ class Family:
         key = lib_key(lib)
         if key in self._plans:
             return self._plans[key]
-        from bcc import BPF
-        # One pass over the symbol table for all prefixes: each pass over libtorch_cpu.so costs ~0.8 s.
+        from ccld.bpf import elfsyms
+        # One pass over the symbol tables for all prefixes: each pass over libtorch_cpu.so costs ~0.5 s.
         pattern = "^(" + "|".join(re.escape(p.prefix) for p in self.PROBES) + ")"
-        found = BPF.get_user_functions_and_addresses(lib.encode(), pattern.encode())
+        found = elfsyms.functions(lib, pattern)
         points, missing, seen = [], [], set()
         for p in self.PROBES:
             got = False
             for sym, addr in found:
-                sym = sym.decode() if isinstance(sym, bytes) else sym
                 if not (sym == p.prefix if p.exact else sym.startswith(p.prefix)) or "." in sym:
                     continue  # "foo.cold" is a split-off block, not a function entry: never probe it
                 got = True
@@ -282,7 +279,7 @@ class Family:
     def _attach_lib(self, lib: str) -> Attachment:
         try:
             points, missing = self._plan(lib)
-        except Exception as e:  # bcc raises a bare Exception when it cannot read the ELF file
+        except (OSError, ValueError) as e:  # a library gone, unreadable or no ELF file we read
             raise EnvironmentProblem(f"{self.NAME}: cannot read the symbols of {lib}: {e}",
                                      "is the library readable from the agent (same mount namespace, "
                                      "or /proc/PID/root reachable: run the agent as root with hostPID)?") from e
@@ -297,11 +294,8 @@ class Family:
                 if not probe.fn:
                     att.symbols[sym] = addr
                     continue
-                before = set(self.bpf.uprobe_fds)  # bcc keeps uprobe and uretprobe fds here
-                attach = self.bpf.attach_uretprobe if probe.ret else self.bpf.attach_uprobe
-                attach(name=lib.encode(), addr=addr, fn_name=probe.fn.encode(), pid=-1)
+                att.events.append(self.bpf.attach_uprobe(lib, addr, probe.fn, retprobe=probe.ret))
                 (att.ret_points if probe.ret else att.points).append((sym, addr))
-                att.events.extend(set(self.bpf.uprobe_fds) - before)
         except Exception as e:
             self._detach_events(att.events)
             raise EnvironmentProblem(f"{self.NAME}: attaching to {lib} failed after "
@@ -309,22 +303,17 @@ class Family:
                                      "is the library readable, and are you root?")
         return att
 
-    def _detach_events(self, names: List[bytes]) -> None:
+    def _detach_events(self, fds: List[int]) -> None:
         """Close our uprobe perf events (a few threads at once; the kernel serialises most of it).
 
         Each close unregisters a uprobe (~80-110 ms here), which is why probes are per library, not
-        per process, and only closed when the family closes.
-        bcc's own detach also edits tracefs' uprobe_events, which only tracefs-made probes need and
-        which fails where tracefs is not mounted; ours come from the perf uprobe PMU, so closing the
-        fd removes them."""
-        from bcc import lib as bcclib
-        fds = [(n, self.bpf.uprobe_fds[n]) for n in names if n in self.bpf.uprobe_fds]
+        per process, and only closed when the family closes. They come from the perf uprobe PMU, so
+        closing the fd removes them; tracefs is not touched."""
         if not fds:
             return
         with concurrent.futures.ThreadPoolExecutor(min(DETACH_THREADS, len(fds))) as pool:
-            list(pool.map(lambda nf: bcclib.bpf_close_perf_event_fd(nf[1]), fds))
-        for name, _ in fds:
-            self.bpf._del_uprobe_fd(name)
+            self.bpf.close_events(fds, pool)
+        fds.clear()
 
     def detach(self, pid: int) -> None:
         """Stop tracing `pid`: one map delete. The library's probes stay for the other ranks."""

@@ -1,6 +1,6 @@
 """Read a whole BPF map in a few syscalls into buffers kept between reads, as numpy arrays.
 
-bcc's items_lookup_batch allocates buffers for the map's max_entries on every call (10 MiB for the
+bcc's items_lookup_batch (the API this replaced) allocates buffers for the map's max_entries on every call (10 MiB for the
 net family's 65,536 connections) and makes a ctypes object per entry; a drain every 0.5 s then costs
 more than everything else the agent does when the job is quiet. BatchReader keeps one buffer of
 CHUNK entries per map and returns the keys and the values as arrays (bytes per entry), which the
@@ -18,20 +18,19 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from ccld.bpf import sysbpf
+
 CHUNK = 4096  # entries per syscall
 
 
 class BatchReader:
     def __init__(self, table, chunk: int = CHUNK):
-        from bcc.libbcc import lib
-        self._lib = lib
         self.fd = table.map_fd
         self.ksize, self.vsize = ct.sizeof(table.Key), ct.sizeof(table.Leaf)
         self.chunk = chunk
         self._keys = ct.create_string_buffer(self.ksize * chunk)
         self._vals = ct.create_string_buffer(self.vsize * chunk)
         self._in, self._out = ct.c_uint64(0), ct.c_uint64(0)
-        self._cnt = ct.c_uint32(0)
 
     def read(self, limit: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
         """(keys, values) of every entry (of the first `limit`, for an array): (n, key size) and
@@ -42,18 +41,13 @@ class BatchReader:
             want = self.chunk if limit is None else min(self.chunk, limit - total)
             if want <= 0:
                 break
-            self._cnt.value = want
-            res = self._lib.bpf_lookup_batch(self.fd, None if first else ct.cast(ct.byref(self._in), ct.POINTER(ct.c_uint32)),
-                                             ct.cast(ct.byref(self._out), ct.POINTER(ct.c_uint32)),
-                                             self._keys, self._vals, ct.byref(self._cnt))
-            err = ct.get_errno()
-            n = self._cnt.value
+            err, n = sysbpf.lookup_batch(self.fd, None if first else self._in, self._out, self._keys, self._vals, want)
             if n:
                 keys.append(np.frombuffer(self._keys, np.uint8, n * self.ksize).reshape(n, self.ksize).copy())
                 vals.append(np.frombuffer(self._vals, np.uint8, n * self.vsize).reshape(n, self.vsize).copy())
                 total += n
-            if res != 0:
-                if err not in (errno.ENOENT, 0):
+            if err != 0:
+                if err != errno.ENOENT:
                     raise OSError(err, f"BPF_MAP_LOOKUP_BATCH failed: {os.strerror(err)}")
                 break  # ENOENT: the whole map was read
             if n == 0:

@@ -5,21 +5,20 @@ it creates and the bytecode it makes depend only on the text, the -D cflags, the
 headers and tracepoint formats) and bcc itself. After a compile, `save()` keeps what loading needs:
 each map's definition (type, key/value sizes, entries, flags, and bcc's description of its key and
 value types), and each function's instructions, with the places where an instruction names a map
-(a 64-bit immediate load of the map's fd, BPF_PSEUDO_MAP_FD). `CachedBPF` is a bcc.BPF made from
-that without clang: it creates the maps, patches each function's map fds, and loads functions as
-bcc would when they are first attached; the rest of bcc's API (tables, uprobes, tracepoints,
-cleanup) is bcc's own.
+(a 64-bit immediate load of the map's fd, BPF_PSEUDO_MAP_FD). program.Program loads that without
+bcc: it creates the maps, patches each function's map fds and loads functions when they are first
+attached. A compile (compile.py) runs bcc in a child process and hands its description back, so the
+agent never imports bcc; describe() is what that child runs.
 
 Keyed by a SHA-256 of everything the output depends on (source files, cflags, kernel release and
-version, bcc's version, this file's format); one JSON file per key. The directory and each file
-must belong to this user and be writable by no one else (a program from the cache runs in the
+version, bcc's version and library, read off its files without importing it, this file's format);
+one JSON file per key. The directory and each file must belong to this user and be writable by no one else (a program from the cache runs in the
 kernel), else the cache is not used. A file that does not load (a changed kernel the key missed,
 a damaged file) is removed and the program compiled again.
 Minimum kernel: what bcc needs; nothing more.
 """
 from __future__ import annotations
 
-import atexit
 import base64
 import ctypes as ct
 import hashlib
@@ -40,7 +39,6 @@ INSN = 8                             # bytes per BPF instruction
 LD_IMM64 = 0x18                      # BPF_LD | BPF_IMM | BPF_DW: two instruction slots
 PSEUDO_MAP_FD = 1                    # src_reg of an ld_imm64 whose immediate is a map fd
 MAX_FILE_BYTES = 16 << 20            # a cache file is tens of KiB; refuse anything absurd
-LOG_BUF_BYTES = 1 << 16
 
 
 # Each family's program (its loader is ccld/bpf/<name>.py), and the cflags the cache keys it by
@@ -52,6 +50,8 @@ PROGRAMS = {"gloo": ("gloo.bpf.c", ()), "nccl": ("nccl.bpf.c", ()), "net": ("net
 ALSO_READ = ("common.h",)  # files every program includes
 PID_MAX_FILE = "/proc/sys/kernel/pid_max"
 DEFAULT_PID_MAX = 1 << 22  # the 64-bit kernel's default, when the file cannot be read
+LIBBCC = "libbcc.so.0"    # what bcc's libbcc.py loads; the dirs the dynamic linker searches for it here
+LIBBCC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
 
 def pid_words() -> int:
@@ -72,14 +72,27 @@ def default_cflags(name: str) -> List[str]:
     return []
 
 
+def bcc_files() -> List[str]:
+    """bcc's version file and its C library, found without importing bcc ([] when it is not
+    installed): the cache key names them, and a compile needs them."""
+    import importlib.util
+    spec = importlib.util.find_spec("bcc")  # locates the package; runs none of it
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    files = [os.path.join(list(spec.submodule_search_locations)[0], "version.py")]
+    for d in LIBBCC_DIRS:
+        if os.path.exists(os.path.join(d, LIBBCC)):
+            files.append(os.path.realpath(os.path.join(d, LIBBCC)))
+            break
+    return files
+
+
 def bpf_available():
-    """None when this process can load BPF programs with bcc, else the problem (EnvironmentProblem)
-    and its fix."""
+    """None when this process can load BPF programs (and compile those the cache lacks: bcc, in a
+    child process), else the problem (EnvironmentProblem) and its fix."""
     from ccld.errors import EnvironmentProblem
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        return EnvironmentProblem("bcc is not importable",
+    if not bcc_files():
+        return EnvironmentProblem("bcc is not installed (it compiles the probe programs)",
                                   "install it: apt-get install python3-bpfcc (then re-run scripts/setup.sh)")
     if os.geteuid() != 0:
         return EnvironmentProblem("eBPF needs root (or CAP_BPF+CAP_PERFMON)",
@@ -100,8 +113,9 @@ def program_key(source: str, cflags: Sequence[str], kernel: Sequence[str] = ()) 
 
 def preload(names: Sequence[str]) -> Dict[str, Any]:
     """The cached programs of the families named (default cflags), loaded into the kernel: name ->
-    CachedBPF, for those the cache holds. Needs bcc only (no numpy, no translators): `ccld run` does
-    this before it starts the command."""
+    program.Program, for those the cache holds. Needs neither bcc nor the translators: `ccld run`
+    does this before it starts the command."""
+    from ccld.bpf.program import Program
     directory = cache_dir()
     out: Dict[str, Any] = {}
     for name in names:
@@ -114,7 +128,7 @@ def preload(names: Sequence[str]) -> Dict[str, Any]:
         if spec is None:
             continue
         try:
-            out[name] = cached_bpf(spec)
+            out[name] = Program(spec)
         except Exception as e:
             log.warning("%s: cached program did not load (%s); it will be compiled", name, e)
             forget(directory, key)
@@ -132,7 +146,6 @@ def cache_dir() -> Optional[str]:
 
 
 def cache_key(sources: Sequence[str], cflags: Sequence[str]) -> str:
-    import bcc
     h = hashlib.sha256()
     h.update(f"ccld-progcache {FORMAT}\0".encode())
     for path in sources:
@@ -147,8 +160,32 @@ def cache_key(sources: Sequence[str], cflags: Sequence[str]) -> str:
             h.update(f.read())
     except OSError:
         pass
-    h.update(str(getattr(bcc, "__version__", "?")).encode())
+    for path in _bcc_identity():
+        h.update(path.encode() + b"\0")
     return h.hexdigest()
+
+
+_BCC_ID: Optional[List[str]] = None
+
+
+def _bcc_identity() -> List[str]:
+    """What tells one bcc from another (once a process): its version file's text, and its C library's
+    size and modification time (a rebuilt libbcc with the same version changes the key too)."""
+    global _BCC_ID
+    if _BCC_ID is None:
+        out = []
+        for path in bcc_files():
+            try:
+                if path.endswith(".py"):
+                    with open(path) as f:
+                        out.append(f.read().strip())
+                else:
+                    st = os.stat(path)
+                    out.append(f"{os.path.basename(path)} {st.st_size} {st.st_mtime_ns}")
+            except OSError:
+                out.append(f"{path} unreadable")
+        _BCC_ID = out
+    return _BCC_ID
 
 
 def _private(path: str, is_dir: bool) -> bool:
@@ -166,18 +203,15 @@ def _lib():
     for name, res, args in (("bpf_num_tables", ct.c_ulonglong, [ct.c_void_p]),
                             ("bpf_table_name", ct.c_char_p, [ct.c_void_p, ct.c_ulonglong]),
                             ("bpf_table_key_size_id", ct.c_size_t, [ct.c_void_p, ct.c_ulonglong]),
-                            ("bpf_table_leaf_size_id", ct.c_size_t, [ct.c_void_p, ct.c_ulonglong]),
-                            ("bcc_create_map", ct.c_int, [ct.c_int, ct.c_char_p, ct.c_int, ct.c_int, ct.c_int,
-                                                          ct.c_int]),
-                            ("bcc_prog_load", ct.c_int, [ct.c_int, ct.c_char_p, ct.c_void_p, ct.c_int, ct.c_char_p,
-                                                         ct.c_uint, ct.c_int, ct.c_char_p, ct.c_uint])):
+                            ("bpf_table_leaf_size_id", ct.c_size_t, [ct.c_void_p, ct.c_ulonglong])):
         f = getattr(lib, name)
         f.restype, f.argtypes = res, args
     return lib
 
 
 def describe(bpf) -> Dict[str, Any]:
-    """What CachedBPF needs to make `bpf` (a freshly compiled bcc.BPF) again."""
+    """What program.Program needs to make `bpf` (a freshly compiled bcc.BPF) again. Runs in the
+    compile's child process (compile.py): it reads bcc's module through libbcc."""
     lib = _lib()
     m = bpf.module
     tables, by_fd = [], {}
@@ -207,12 +241,12 @@ def describe(bpf) -> Dict[str, Any]:
             "kern_version": lib.bpf_module_kern_version(m), "tables": tables, "functions": funcs}
 
 
-def describe_cached(bpf) -> Dict[str, Any]:
-    """describe() of a CachedBPF: the spec it was made from, with its maps' fds in the functions."""
-    spec = dict(bpf._spec)
+def describe_cached(prog) -> Dict[str, Any]:
+    """describe() of a program.Program: the spec it was made from, with its maps' fds in the functions."""
+    spec = dict(prog._spec)
     funcs = []
     for f in spec["functions"]:
-        funcs.append(dict(f, code=base64.b64encode(bpf._code[f["name"].encode()]).decode()))
+        funcs.append(dict(f, code=base64.b64encode(prog.code(f["name"])).decode()))
     spec["functions"] = funcs
     return spec
 
@@ -259,126 +293,3 @@ def forget(directory: Optional[str], key: str) -> None:
         os.unlink(os.path.join(directory, key + ".json"))
     except OSError:
         pass
-
-
-def _make_cached_class():
-    from bcc import BPF
-    from bcc import table as bt
-
-    classes = {bt.BPF_MAP_TYPE_HASH: bt.HashTable, bt.BPF_MAP_TYPE_ARRAY: bt.Array,
-               bt.BPF_MAP_TYPE_PERCPU_HASH: bt.PerCpuHash, bt.BPF_MAP_TYPE_PERCPU_ARRAY: bt.PerCpuArray,
-               bt.BPF_MAP_TYPE_LRU_HASH: bt.LruHash, bt.BPF_MAP_TYPE_RINGBUF: bt.RingBuf}
-
-    class CachedBPF(BPF):
-        """A bcc.BPF made from describe()'s output, without compiling (see the module's text)."""
-
-        def __init__(self, spec: Dict[str, Any]):  # noqa: D401 (bcc's __init__ is not called: it compiles)
-            self.kprobe_fds, self.uprobe_fds, self.tracepoint_fds, self.raw_tracepoint_fds = {}, {}, {}, {}
-            self.kfunc_entry_fds, self.kfunc_exit_fds, self.lsm_fds = {}, {}, {}
-            self.perf_buffers, self.open_perf_events = {}, {}
-            self._ringbuf_manager = None
-            self.tracefile = None
-            self.debug = 0
-            self.funcs, self.tables = {}, {}
-            self.module = None
-            self._spec = spec
-            self._maps: Dict[str, Dict[str, Any]] = {}
-            self._map_fds: List[int] = []
-            atexit.register(self.cleanup)
-            lib = _lib()
-            try:
-                for i, t in enumerate(spec["tables"]):
-                    fd = lib.bcc_create_map(t["type"], t["name"][:15].encode(), t["key_size"], t["leaf_size"],
-                                            t["max_entries"], t["flags"])
-                    if fd < 0:
-                        raise OSError(ct.get_errno(), f"cannot create map {t['name']}: {os.strerror(ct.get_errno())}")
-                    self._map_fds.append(fd)
-                    self._maps[t["name"]] = dict(t, fd=fd, id=i)
-                self._code = {}
-                for f in spec["functions"]:
-                    code = bytearray(base64.b64decode(f["code"]))
-                    for k, table in f["relocs"]:
-                        struct.pack_into("<i", code, k * INSN + 4, self._maps[table]["fd"])
-                    self._code[f["name"].encode()] = bytes(code)
-                self._trace_autoload()
-            except BaseException:
-                self.cleanup()
-                raise
-
-        def _trace_autoload(self):
-            for name in self._code:
-                if name.startswith(b"tracepoint__"):
-                    tp = name[len(b"tracepoint__"):].replace(b"__", b":")
-                    self.attach_tracepoint(tp=tp, fn_name=name)
-
-        def load_func(self, func_name, prog_type, device=None, attach_type=-1):
-            func_name = func_name if isinstance(func_name, bytes) else func_name.encode()
-            if func_name in self.funcs:
-                return self.funcs[func_name]
-            code = self._code.get(func_name)
-            if code is None:
-                raise Exception(f"Unknown program {func_name.decode()}")
-            buf = ct.create_string_buffer(code, len(code))
-            logbuf = ct.create_string_buffer(LOG_BUF_BYTES)
-            fd = _lib().bcc_prog_load(prog_type, func_name[:15], buf, len(code), self._spec["license"].encode(),
-                                      self._spec["kern_version"], 1, logbuf, LOG_BUF_BYTES)
-            if fd < 0:
-                err = os.strerror(ct.get_errno())
-                raise Exception(f"Failed to load BPF program {func_name.decode()}: {err}\n"
-                                f"{logbuf.value.decode(errors='replace')[-2000:]}")
-            fn = BPF.Function(self, func_name, fd)
-            self.funcs[func_name] = fn
-            return fn
-
-        def get_table(self, name, keytype=None, leaftype=None, reducer=None):
-            name = name if isinstance(name, str) else name.decode()
-            t = self._maps.get(name)
-            if t is None:
-                raise KeyError(name)
-            cls = classes.get(t["type"])
-            if cls is None:
-                raise Exception(f"map type {t['type']} of {name} is not one the cache knows")
-            key = keytype or (BPF._decode_table_type(json.loads(t["key_desc"])) if t["key_desc"] else ct.c_int)
-            leaf = leaftype or (BPF._decode_table_type(json.loads(t["leaf_desc"])) if t["leaf_desc"] else ct.c_int)
-            tab = cls.__new__(cls)
-            # what bt.TableBase.__init__ sets, from the description instead of a compiled module
-            tab.bpf, tab.map_id, tab.map_fd, tab.Key, tab.Leaf = self, t["id"], t["fd"], key, leaf
-            tab.ttype, tab.flags, tab._cbs, tab._name = t["type"], t["flags"], {}, name.encode()
-            tab.max_entries = int(t["max_entries"])
-            if cls is bt.PerCpuArray or cls is bt.PerCpuHash:
-                tab.reducer = reducer
-                tab.sLeaf = tab.Leaf
-                tab.total_cpu = len(bt.get_possible_cpus())
-                tab.alignment = ct.sizeof(tab.sLeaf) % 8
-                if tab.alignment == 0:
-                    tab.Leaf = tab.sLeaf * tab.total_cpu
-                elif tab.sLeaf in (ct.c_uint, ct.c_int):
-                    tab.Leaf = (ct.c_uint64 if tab.sLeaf == ct.c_uint else ct.c_int64) * tab.total_cpu
-                else:
-                    raise IndexError("Leaf must be aligned to 8 bytes")
-            if cls is bt.RingBuf:
-                tab._ringbuf, tab._event_class = None, None
-            return tab
-
-        def close(self):
-            for name, fn in list(self.funcs.items()):
-                os.close(fn.fd)
-                del self.funcs[name]
-            for fd in self._map_fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._map_fds = []
-
-    return CachedBPF
-
-
-_CACHED = None
-
-
-def cached_bpf(spec: Dict[str, Any]):
-    global _CACHED
-    if _CACHED is None:
-        _CACHED = _make_cached_class()
-    return _CACHED(spec)

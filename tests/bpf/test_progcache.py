@@ -1,6 +1,7 @@
 """The compiled-program cache (ccld/bpf/progcache.py): a program taken from it is the program bcc
-compiles (same functions, same instructions once map fds are set aside), it loads and works, and a
-cache file anyone else could have written is not used. Needs root (it loads programs)."""
+compiles (same functions, same instructions once map fds are set aside; bcc itself, in this test
+process, is the oracle), it loads and works without bcc (program.Program), and a cache file anyone
+else could have written is not used. Needs root (it loads programs)."""
 import base64
 import os
 import struct
@@ -35,9 +36,18 @@ def test_a_cached_program_is_the_compiled_one_and_works(cache):
     from ccld.bpf.gloo_translator import GlooTranslator
     first = GlooFamily(GlooTranslator(lambda e: None))
     first.load()
-    assert not first.from_cache
-    compiled = progcache.describe(first.bpf)
+    assert not first.from_cache  # compiled by bcc in a child process (compile.py), loaded by Program
+    cold = progcache.describe_cached(first.bpf)
     first.close()
+    from bcc import BPF
+    from ccld.bpf.kheaders import ensure_kernel_headers
+    ensure_kernel_headers()
+    oracle = BPF(src_file=first.source_path().encode(), cflags=first.all_cflags())
+    try:
+        compiled = progcache.describe(oracle)
+    finally:
+        oracle.cleanup()
+    assert without_fds(cold) == without_fds(compiled)
     (path,) = os.listdir(cache)
     again = GlooFamily(GlooTranslator(lambda e: None))
     again.load()

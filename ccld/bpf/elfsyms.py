@@ -1,0 +1,119 @@
+"""The function symbols of a shared library whose names match a regex, with their addresses, read
+from the ELF file without bcc (what bcc's BPF.get_user_functions_and_addresses lists, same pairs).
+
+Both symbol tables count (.symtab when the file has one, and .dynsym), as in bcc: a symbol is listed
+once per table that holds it. Listed: functions (STT_FUNC) and indirect functions (STT_GNU_IFUNC)
+with a name and a non-zero value, defined in a section. Addresses are st_value (virtual addresses in
+the file's own layout); file_offset() turns one into the offset the uprobe PMU takes, through the
+executable PT_LOAD segment that maps it, as bcc's bcc_resolve_symname does.
+
+libtorch_cpu.so has ~600,000 symbols and 76 MiB of names: the tables are read as numpy arrays off
+an mmap (only the pages of the tables are touched), the function symbols picked out with array
+operations, and the names cut out of the string table in one split at its NULs, so the regex is the
+only per-name Python step. Only 64-bit little-endian ELF; anything else is a ValueError naming the
+file.
+"""
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+SHT_SYMTAB, SHT_DYNSYM = 2, 11
+STT_FUNC, STT_GNU_IFUNC = 2, 10
+SHN_UNDEF = 0
+PT_LOAD, PF_X = 1, 1
+MAX_SECTIONS = 1 << 16  # real libraries have ~40 sections; more is a damaged file
+
+_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
+_SHDR = struct.Struct("<IIQQQQIIQQ")
+_PHDR = struct.Struct("<IIQQQQQQ")
+_SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
+                 ("value", "<u8"), ("size", "<u8")])
+
+
+def _header(path: str, mm) -> tuple:
+    if len(mm) < _EHDR.size or mm[:4] != b"\x7fELF" or mm[4] != 2 or mm[5] != 1:
+        raise ValueError(f"{path}: not a 64-bit little-endian ELF file")
+    return _EHDR.unpack_from(mm, 0)
+
+
+def _section(path: str, mm, off: int, size: int) -> memoryview:
+    if off + size > len(mm):
+        raise ValueError(f"{path}: a section runs past the end of the file")
+    return memoryview(mm)[off:off + size]
+
+
+def _matching(table: memoryview, rx: "re.Pattern[bytes]", offsets: np.ndarray) -> Dict[int, bytes]:
+    """index in `offsets` -> the NUL-terminated name at that string-table offset, for the names that
+    match `rx`. The table is split at its NULs once and every string matched (C loops both); a
+    linker that merges tails (GNU ld) points some names into another one's end: those few are cut
+    out of the string that holds them and matched one by one."""
+    pieces = bytes(table).split(b"\0")
+    starts = np.zeros(len(pieces), np.int64)
+    np.cumsum(np.fromiter(map(len, pieces[:-1]), np.int64, len(pieces) - 1) + 1, out=starts[1:])
+    hits = np.fromiter((i for i, m in enumerate(map(rx.match, pieces)) if m), np.int64)
+    at = np.searchsorted(starts, offsets, side="right") - 1
+    inside = offsets - starts[at]
+    out: Dict[int, bytes] = {}
+    for j in np.flatnonzero((inside == 0) & np.isin(at, hits)).tolist():
+        out[j] = pieces[at[j]]
+    for j in np.flatnonzero(inside != 0).tolist():
+        name = pieces[at[j]][inside[j]:]
+        if rx.match(name):
+            out[j] = name
+    return out
+
+
+def functions(path: str, pattern: str) -> List[Tuple[str, int]]:
+    """(name, address) of each function symbol of `path` whose name re.match()es `pattern`, per
+    symbol table (a name in both is listed twice, as bcc lists it). OSError when the file cannot be
+    read, ValueError when it is no ELF64 file this reads."""
+    rx = re.compile(pattern.encode())
+    out: List[Tuple[str, int]] = []
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        eh = _header(path, mm)
+        shoff, shentsize, shnum = eh[6], eh[11], eh[12]
+        if shnum == 0 or shnum > MAX_SECTIONS or shentsize != _SHDR.size:
+            raise ValueError(f"{path}: no usable section header table")
+        shdrs = [_SHDR.unpack_from(mm, shoff + i * shentsize) for i in range(shnum)
+                 if shoff + (i + 1) * shentsize <= len(mm)]
+        for sh in shdrs:
+            if sh[1] not in (SHT_SYMTAB, SHT_DYNSYM) or sh[6] >= len(shdrs):
+                continue
+            strtab = shdrs[sh[6]]
+            syms = np.frombuffer(_section(path, mm, sh[4], sh[5] - sh[5] % _SYM.itemsize), _SYM).copy()
+            kind = syms["info"] & 0xF
+            picked = syms[((kind == STT_FUNC) | (kind == STT_GNU_IFUNC)) & (syms["value"] != 0)
+                          & (syms["shndx"] != SHN_UNDEF) & (syms["name"] != 0) & (syms["name"] < strtab[5])]
+            offsets, which = np.unique(picked["name"].astype(np.int64), return_inverse=True)
+            names = _matching(_section(path, mm, strtab[4], strtab[5]), rx, offsets)
+            hit = np.zeros(len(offsets), bool)
+            hit[list(names)] = True
+            for i in np.flatnonzero(hit[which]).tolist():
+                out.append((names[int(which[i])].decode(errors="replace"), int(picked["value"][i])))
+    return out
+
+
+def file_offset(path: str, addr: int) -> int:
+    """The file offset of virtual address `addr` (a symbol's st_value) of `path`: where the uprobe
+    PMU wants a probe (config2). Through the executable PT_LOAD segment that maps it; a ValueError
+    when none does."""
+    with open(path, "rb") as f:
+        head = f.read(_EHDR.size)
+        eh = _header(path, head)
+        phoff, phentsize, phnum = eh[5], eh[9], eh[10]
+        if phentsize < _PHDR.size or phnum > MAX_SECTIONS:
+            raise ValueError(f"{path}: implausible program headers ({phnum} of {phentsize} bytes)")
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        if (i + 1) * phentsize > len(table):
+            break
+        p_type, p_flags, p_offset, p_vaddr, _paddr, _filesz, p_memsz, _align = _PHDR.unpack_from(table, i * phentsize)
+        if p_type == PT_LOAD and p_flags & PF_X and p_vaddr <= addr < p_vaddr + p_memsz:
+            return addr - p_vaddr + p_offset
+    raise ValueError(f"{path}: no executable segment maps address {addr:#x}")
