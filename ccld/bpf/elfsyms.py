@@ -4,8 +4,7 @@ from the ELF file without bcc (what bcc's BPF.get_user_functions_and_addresses l
 Both symbol tables count (.symtab when the file has one, and .dynsym), as in bcc: a symbol is listed
 once per table that holds it. Listed: functions (STT_FUNC) and indirect functions (STT_GNU_IFUNC)
 with a name and a non-zero value, defined in a section. Addresses are st_value (virtual addresses in
-the file's own layout); file_offset() turns one into the offset the uprobe PMU takes, through the
-executable PT_LOAD segment that maps it, as bcc's bcc_resolve_symname does.
+the file's own layout); elfcode.file_offset() turns one into the offset the uprobe PMU takes.
 
 libtorch_cpu.so has ~600,000 symbols and 76 MiB of names: the tables are read as numpy arrays off
 an mmap (only the pages of the tables are touched), the function symbols picked out with array
@@ -25,12 +24,10 @@ import numpy as np
 SHT_SYMTAB, SHT_DYNSYM = 2, 11
 STT_FUNC, STT_GNU_IFUNC = 2, 10
 SHN_UNDEF = 0
-PT_LOAD, PF_X = 1, 1
 MAX_SECTIONS = 1 << 16  # real libraries have ~40 sections; more is a damaged file
 
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _SHDR = struct.Struct("<IIQQQQIIQQ")
-_PHDR = struct.Struct("<IIQQQQQQ")
 _SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
                  ("value", "<u8"), ("size", "<u8")])
 
@@ -96,24 +93,3 @@ def functions(path: str, pattern: str) -> List[Tuple[str, int]]:
             for i in np.flatnonzero(hit[which]).tolist():
                 out.append((names[int(which[i])].decode(errors="replace"), int(picked["value"][i])))
     return out
-
-
-def file_offset(path: str, addr: int) -> int:
-    """The file offset of virtual address `addr` (a symbol's st_value) of `path`: where the uprobe
-    PMU wants a probe (config2). Through the executable PT_LOAD segment that maps it; a ValueError
-    when none does."""
-    with open(path, "rb") as f:
-        head = f.read(_EHDR.size)
-        eh = _header(path, head)
-        phoff, phentsize, phnum = eh[5], eh[9], eh[10]
-        if phentsize < _PHDR.size or phnum > MAX_SECTIONS:
-            raise ValueError(f"{path}: implausible program headers ({phnum} of {phentsize} bytes)")
-        f.seek(phoff)
-        table = f.read(phentsize * phnum)
-    for i in range(phnum):
-        if (i + 1) * phentsize > len(table):
-            break
-        p_type, p_flags, p_offset, p_vaddr, _paddr, _filesz, p_memsz, _align = _PHDR.unpack_from(table, i * phentsize)
-        if p_type == PT_LOAD and p_flags & PF_X and p_vaddr <= addr < p_vaddr + p_memsz:
-            return addr - p_vaddr + p_offset
-    raise ValueError(f"{path}: no executable segment maps address {addr:#x}")

@@ -153,6 +153,9 @@ class Map:
                 pass
         return out
 
+    def values(self) -> List[Any]:
+        return [v for _, v in self.items()]
+
     def items_lookup_batch(self) -> List[Tuple[Any, Any]]:
         """items() in BPF_MAP_LOOKUP_BATCH calls (mapread.BatchReader), as ctypes keys and values."""
         from ccld.bpf.mapread import BatchReader

@@ -5,7 +5,7 @@ Program(spec) creates the maps and writes their fds into the instructions (the 6
 loads progcache found); a function is loaded when it is first attached, with the program type its
 attach point needs (a uprobe's is BPF_PROG_TYPE_KPROBE, a tracepoint's BPF_PROG_TYPE_TRACEPOINT).
 bcc's TRACEPOINT_PROBE(cat, name) functions, named tracepoint__cat__name, attach when the program
-is made, as bcc attaches them. Uprobes go through the uprobe PMU at a file offset (elfsyms.py turns
+is made, as bcc attaches them. Uprobes go through the uprobe PMU at a file offset (elfcode.py turns
 a symbol's address into one); closing the perf event removes the probe, so close_events() is all a
 detach is, and it may run on several threads at once (the kernel does most of each close alone).
 close() closes every event, function and map (idempotent; also at exit).
@@ -19,7 +19,7 @@ import struct
 import threading
 from typing import Any, Dict, Iterable, List
 
-from ccld.bpf import elfsyms, sysbpf
+from ccld.bpf import elfcode, sysbpf
 from ccld.bpf.maps import Map
 
 INSN = 8                 # bytes per BPF instruction
@@ -111,7 +111,7 @@ class Program:
         """A uprobe (uretprobe) on `path` at symbol address `addr` (st_value) running `fn_name`, for
         every process (pid -1) or one. Returns the perf event's fd: close_events() detaches it."""
         fn = self.load_func(fn_name, sysbpf.BPF_PROG_TYPE_KPROBE)
-        offset = elfsyms.file_offset(path, addr)
+        offset = elfcode.file_offset(path, addr)
         return self._attach(sysbpf.uprobe_event(path, offset, retprobe, pid), fn.fd)
 
     def close_events(self, fds: Iterable[int], pool=None) -> None:

@@ -13,6 +13,7 @@ kernel takes a shorter struct and reads the rest as zeros.
 from __future__ import annotations
 
 import ctypes as ct
+import errno
 import os
 from typing import Optional, Tuple
 
@@ -29,6 +30,12 @@ PERF_FLAG_FD_CLOEXEC = 1 << 3
 PERF_EVENT_IOC_ENABLE = 0x2400        # _IO('$', 0)
 PERF_EVENT_IOC_SET_BPF = 0x40042408   # _IOW('$', 8, __u32)
 UPROBE_PMU = "/sys/bus/event_source/devices/uprobe"
+# The kernel keeps one uprobe per (inode, offset) and refuses (EINVAL, "ref_ctr_offset mismatch" in
+# dmesg) a second one whose reference-counter offset differs. bcc 0.26's Python attach_uprobe calls
+# the 7-argument bpf_attach_uprobe with 6, so its probes carry whatever the 7th slot held (6 here):
+# ours (0, no counter) cannot share an offset with a probe a bcc tool holds at the same time.
+REF_CTR_HINT = ("another tracer holds a uprobe at this offset with a different ref_ctr_offset (bcc 0.26's "
+                "Python attach_uprobe sets a stray one; dmesg says 'ref_ctr_offset mismatch')")
 TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 
 
@@ -118,15 +125,20 @@ def prog_load(prog_type: int, insns: bytes, license: str, kern_version: int, nam
             raise OSError(first.errno, f"the kernel refused program {name}: {first.strerror}\n{text}") from None
 
 
-def map_lookup(fd: int, key, value) -> bool:
-    """Read `key`'s value into `value` (ctypes objects); False when the map has no such key."""
+def _found(cmd: int, attr: ct.Structure) -> bool:
+    """bpf(cmd): True when done, False when the map has no such key (ENOENT); other errors raise."""
     try:
-        bpf(BPF_MAP_LOOKUP_ELEM, _Elem(fd, _addr(key), _addr(value)))
+        bpf(cmd, attr)
         return True
     except OSError as e:
-        if e.errno == 2:  # ENOENT
+        if e.errno == errno.ENOENT:
             return False
         raise
+
+
+def map_lookup(fd: int, key, value) -> bool:
+    """Read `key`'s value into `value` (ctypes objects); False when the map has no such key."""
+    return _found(BPF_MAP_LOOKUP_ELEM, _Elem(fd, _addr(key), _addr(value)))
 
 
 def map_update(fd: int, key, value, flags: int = 0) -> None:
@@ -135,24 +147,12 @@ def map_update(fd: int, key, value, flags: int = 0) -> None:
 
 def map_delete(fd: int, key) -> bool:
     """Delete `key`; False when the map had no such key."""
-    try:
-        bpf(BPF_MAP_DELETE_ELEM, _Elem(fd, _addr(key)))
-        return True
-    except OSError as e:
-        if e.errno == 2:
-            return False
-        raise
+    return _found(BPF_MAP_DELETE_ELEM, _Elem(fd, _addr(key)))
 
 
 def map_next_key(fd: int, key, next_key) -> bool:
     """The key after `key` (None: the first key) into `next_key`; False past the last."""
-    try:
-        bpf(BPF_MAP_GET_NEXT_KEY, _Elem(fd, _addr(key), _addr(next_key)))
-        return True
-    except OSError as e:
-        if e.errno == 2:
-            return False
-        raise
+    return _found(BPF_MAP_GET_NEXT_KEY, _Elem(fd, _addr(key), _addr(next_key)))
 
 
 def lookup_batch(fd: int, in_batch, out_batch, keys, values, count: int) -> Tuple[int, int]:
@@ -163,7 +163,7 @@ def lookup_batch(fd: int, in_batch, out_batch, keys, values, count: int) -> Tupl
         bpf(BPF_MAP_LOOKUP_BATCH, attr)
         return 0, attr.count
     except OSError as e:
-        return e.errno or 0, attr.count if e.errno == 2 else 0  # ENOENT: the last entries came with it
+        return e.errno or 0, attr.count if e.errno == errno.ENOENT else 0  # ENOENT: the last entries came with it
 
 
 def _perf_event_open(attr: _PerfAttr, pid: int, cpu: int, what: str) -> int:
@@ -208,8 +208,13 @@ def uprobe_event(path: str, offset: int, retprobe: bool, pid: int = -1) -> int:
     name = ct.create_string_buffer(os.fsencode(path))
     attr = _PerfAttr(type=kind, config=(1 << bit) if retprobe else 0)
     attr.config1, attr.config2 = ct.addressof(name), offset
-    return _perf_event_open(attr, pid, 0 if pid == -1 else -1, f"{'uretprobe' if retprobe else 'uprobe'} "
-                            f"{path}+{offset:#x}")
+    try:
+        return _perf_event_open(attr, pid, 0 if pid == -1 else -1,
+                                f"{'uretprobe' if retprobe else 'uprobe'} {path}+{offset:#x}")
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            raise OSError(e.errno, f"{e.strerror}; perhaps {REF_CTR_HINT}") from None
+        raise
 
 
 def tracepoint_id(category: str, name: str) -> int:
