@@ -8,8 +8,8 @@ the file's own layout); elfcode.file_offset() turns one into the offset the upro
 
 libtorch_cpu.so has ~600,000 symbols and 76 MiB of names: the tables are read as numpy arrays off
 an mmap (only the pages of the tables are touched), the function symbols picked out with array
-operations, and the names cut out of the string table in one split at its NULs, so the regex is the
-only per-name Python step. Only 64-bit little-endian ELF; anything else is a ValueError naming the
+operations, and the names cut out of the string table a chunk at a time by splits at its NULs, so
+the regex is the only per-name step, and the pass's memory stays a few MiB. Only 64-bit little-endian ELF; anything else is a ValueError naming the
 file.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ SHT_SYMTAB, SHT_DYNSYM = 2, 11
 STT_FUNC, STT_GNU_IFUNC = 2, 10
 SHN_UNDEF = 0
 MAX_SECTIONS = 1 << 16  # real libraries have ~40 sections; more is a damaged file
+CHUNK_BYTES = 1 << 20   # string table read and split this much at a time (bounds the pass's memory)
 
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _SHDR = struct.Struct("<IIQQQQIIQQ")
@@ -44,24 +45,42 @@ def _section(path: str, mm, off: int, size: int) -> memoryview:
     return memoryview(mm)[off:off + size]
 
 
-def _matching(table: memoryview, rx: "re.Pattern[bytes]", offsets: np.ndarray) -> Dict[int, bytes]:
-    """index in `offsets` -> the NUL-terminated name at that string-table offset, for the names that
-    match `rx`. The table is split at its NULs once and every string matched (C loops both); a
-    linker that merges tails (GNU ld) points some names into another one's end: those few are cut
-    out of the string that holds them and matched one by one."""
-    pieces = bytes(table).split(b"\0")
-    starts = np.zeros(len(pieces), np.int64)
-    np.cumsum(np.fromiter(map(len, pieces[:-1]), np.int64, len(pieces) - 1) + 1, out=starts[1:])
-    hits = np.fromiter((i for i, m in enumerate(map(rx.match, pieces)) if m), np.int64)
-    at = np.searchsorted(starts, offsets, side="right") - 1
-    inside = offsets - starts[at]
+def _matching(mm, base: int, size: int, rx: "re.Pattern[bytes]", offsets: np.ndarray) -> Dict[int, bytes]:
+    """index in `offsets` (sorted string-table offsets) -> the NUL-terminated name there, for the
+    names that match `rx`; the string table is `size` bytes at `base` of `mm`.
+
+    A chunk of the table at a time (CHUNK_BYTES, cut after a NUL) is split at its NULs and every
+    string matched (C loops both); the chunk's strings are then dropped, so the pass holds a few
+    MiB however large the table (a whole-table split of libtorch's 76 MiB kept ~35 MiB resident
+    after it, as fragments the allocator could not hand back). A linker that merges tails (GNU ld)
+    points some names into another one's end: those few are cut out of the string that holds them
+    and matched one by one."""
     out: Dict[int, bytes] = {}
-    for j in np.flatnonzero((inside == 0) & np.isin(at, hits)).tolist():
-        out[j] = pieces[at[j]]
-    for j in np.flatnonzero(inside != 0).tolist():
-        name = pieces[at[j]][inside[j]:]
-        if rx.match(name):
-            out[j] = name
+    pos = 0
+    while pos < size:
+        end = min(pos + CHUNK_BYTES, size)
+        if end < size:
+            cut = mm.rfind(b"\0", base + pos, base + end)
+            if cut < 0:  # one string longer than a chunk: take it whole
+                cut = mm.find(b"\0", base + end, base + size)
+            end = size if cut < 0 else cut - base + 1
+        lo, hi = np.searchsorted(offsets, [pos, end])
+        if hi > lo:
+            pieces = mm[base + pos:base + end].split(b"\0")
+            starts = np.zeros(len(pieces), np.int64)
+            np.cumsum(np.fromiter(map(len, pieces[:-1]), np.int64, len(pieces) - 1) + 1, out=starts[1:])
+            hits = np.fromiter((i for i, m in enumerate(map(rx.match, pieces)) if m), np.int64)
+            rel = offsets[lo:hi] - pos
+            at = np.searchsorted(starts, rel, side="right") - 1
+            inside = rel - starts[at]
+            for j in np.flatnonzero((inside == 0) & np.isin(at, hits)).tolist():
+                out[lo + j] = pieces[at[j]]
+            for j in np.flatnonzero(inside != 0).tolist():
+                name = pieces[at[j]][inside[j]:]
+                if rx.match(name):
+                    out[lo + j] = name
+            del pieces
+        pos = end
     return out
 
 
@@ -82,14 +101,18 @@ def functions(path: str, pattern: str) -> List[Tuple[str, int]]:
             if sh[1] not in (SHT_SYMTAB, SHT_DYNSYM) or sh[6] >= len(shdrs):
                 continue
             strtab = shdrs[sh[6]]
-            syms = np.frombuffer(_section(path, mm, sh[4], sh[5] - sh[5] % _SYM.itemsize), _SYM).copy()
+            if strtab[4] + strtab[5] > len(mm):
+                raise ValueError(f"{path}: a string table runs past the end of the file")
+            syms = np.frombuffer(_section(path, mm, sh[4], sh[5] - sh[5] % _SYM.itemsize), _SYM)
             kind = syms["info"] & 0xF
-            picked = syms[((kind == STT_FUNC) | (kind == STT_GNU_IFUNC)) & (syms["value"] != 0)
-                          & (syms["shndx"] != SHN_UNDEF) & (syms["name"] != 0) & (syms["name"] < strtab[5])]
-            offsets, which = np.unique(picked["name"].astype(np.int64), return_inverse=True)
-            names = _matching(_section(path, mm, strtab[4], strtab[5]), rx, offsets)
+            keep = (((kind == STT_FUNC) | (kind == STT_GNU_IFUNC)) & (syms["value"] != 0)
+                    & (syms["shndx"] != SHN_UNDEF) & (syms["name"] != 0) & (syms["name"] < strtab[5]))
+            name_at, value = syms["name"][keep].astype(np.int64), syms["value"][keep]
+            del syms, kind, keep  # views of the mmap: gone before it closes
+            offsets, which = np.unique(name_at, return_inverse=True)
+            names = _matching(mm, strtab[4], strtab[5], rx, offsets)
             hit = np.zeros(len(offsets), bool)
             hit[list(names)] = True
             for i in np.flatnonzero(hit[which]).tolist():
-                out.append((names[int(which[i])].decode(errors="replace"), int(picked["value"][i])))
+                out.append((names[int(which[i])].decode(errors="replace"), int(value[i])))
     return out
