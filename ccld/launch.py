@@ -143,8 +143,9 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
     elif perfetto and not store:  # the trace is made from a store: keep a temporary one for it
         store = tmp_store = tempfile.mkdtemp(prefix="ccld-run-store-")
     # The programs first, then the command, then the rest: the command does not wait for the
-    # collector's start, and its ranks find the programs loaded. From the cache that needs bcc alone
-    # (~0.1 s); where the cache lacks one (the first run on a kernel), every family is compiled first.
+    # collector's start, and its ranks find the programs loaded. From the cache that needs no bcc
+    # (~0.1 s); where the cache lacks one (the first run on a kernel), every family is compiled first
+    # (bcc, in a child process per family: ccld/bpf/compile.py).
     from ccld.bpf import progcache
     programs = progcache.preload(tuple(progcache.PROGRAMS)) if use_bpf and progcache.bpf_available() is None else {}
     pre = None

@@ -38,8 +38,9 @@ TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 
 
 def ensure_tracefs() -> None:
-    """bcc reads tracepoint formats from tracefs to build TRACEPOINT_PROBE's `args`; mount it where a
-    minimal system (a container, a fresh VM) has not."""
+    """A compile (bcc) reads tracepoint formats from tracefs to build TRACEPOINT_PROBE's `args`, and
+    attaching reads each tracepoint's id there (sysbpf.py); mount it where a minimal system (a
+    container, a fresh VM) has not."""
     if any(os.path.isdir(os.path.join(d, "events")) for d in TRACEFS):
         return
     import subprocess
@@ -52,7 +53,7 @@ def ensure_tracefs() -> None:
 class KernelFamily(Family):
     """A family of kernel tracepoints rather than library uprobes.
 
-    Its programs attach to the whole kernel when it loads (bcc attaches TRACEPOINT_PROBEs itself),
+    Its programs attach to the whole kernel when it loads (program.Program attaches TRACEPOINT_PROBEs),
     are filtered in the kernel by the `traced` tgid set that attach/detach maintain, and aggregate in
     maps instead of writing records; `drain()` reads those maps every DRAIN_MS. "Attaching" a process
     is one map update, so there is no library to find: `find_lib` answers LIB for any live process.

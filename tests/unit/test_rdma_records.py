@@ -196,14 +196,8 @@ def test_plan_keeps_default_versions_and_refuses_ambiguity(tmp_path, monkeypatch
     found = [("ibv_modify_qp", 0x100), ("ibv_modify_qp", 0x200), ("ibv_create_qp", 0x300),
              ("ibv_destroy_qp", 0x400)]
 
-    class FakeBPF:
-        @staticmethod
-        def get_user_functions_and_addresses(lib, pattern):
-            return [(s.encode(), a) for s, a in found]
-
-    import sys
-    import types
-    monkeypatch.setitem(sys.modules, "bcc", types.SimpleNamespace(BPF=FakeBPF))
+    from ccld.bpf import elfsyms
+    monkeypatch.setattr(elfsyms, "functions", lambda lib, pattern: list(found))
     lib = tmp_path / "libibverbs.so.1.0"
     lib.write_bytes(_elf([(s, a, True) for s, a in found], versions=[0x8002, 3, 3, 3]))
     points, missing = fam._plan(str(lib))
