@@ -82,6 +82,31 @@ def lib_key(path: str) -> Any:
     return (st.st_dev, st.st_ino)
 
 
+def compile_ahead(families: Sequence["Family"]) -> None:
+    """Compile in one child process the programs of `families` that the cache lacks (bcc and its
+    LLVM then start once, not once a family); each family's load() takes its own result. A failure,
+    of the child or of one program, is left to that family's own compile, which reports it."""
+    from ccld.bpf import progcache
+    from ccld.bpf.compile import compile_specs
+    directory = progcache.cache_dir()
+    todo, requests = [], []
+    for fam in families:
+        try:
+            if progcache.lookup(directory, fam.cache_key()) is None:
+                requests.append((fam.source_path(), fam.all_cflags()))
+                todo.append(fam)
+        except (OSError, EnvironmentProblem):
+            pass  # its load() says what it cannot read
+    if len(todo) < 2:
+        return
+    try:
+        specs = compile_specs(requests)
+    except EnvironmentProblem:
+        return
+    for fam, spec in zip(todo, specs):
+        fam.ahead = spec
+
+
 class Family:
     """One probe family: one .bpf.c, one loaded program, attached per process."""
 
@@ -107,6 +132,7 @@ class Family:
         self._plans: Dict[Any, Tuple[List[Tuple[str, int, Probe]], List[str]]] = {}
         self._lock = threading.Lock()
         self._lost_at_close = 0  # lost() after close(): the agent's final loss report comes after it
+        self.ahead: Any = None   # this program compiled by compile_ahead (a spec, or why it did not compile)
 
     # -- program -----------------------------------------------------------------------------
     def source_path(self) -> str:
@@ -150,7 +176,9 @@ class Family:
                 log.warning("%s: cached program did not load (%s); compiling it", self.NAME, e)
                 progcache.forget(directory, key)
         from ccld.bpf.compile import compile_spec
-        spec = compile_spec(self.source_path(), self.all_cflags())
+        spec, self.ahead = self.ahead, None
+        if not isinstance(spec, dict):  # not compiled ahead, or that failed (e.g. before tracefs was mounted)
+            spec = compile_spec(self.source_path(), self.all_cflags())
         try:
             self.bpf = Program(spec)
         except Exception as e:

@@ -63,7 +63,10 @@ def load_families(probes: Sequence[str] = FAMILY_NAMES, use_bpf: bool = True,
     if pre.problem is not None:
         return pre
     failed = []
-    for fam, tr in build_families(relay, probes):
+    built = build_families(relay, probes)
+    from ccld.bpf.loader import compile_ahead
+    compile_ahead([fam for fam, _ in built if fam.NAME not in programs])
+    for fam, tr in built:
         try:
             fam.load(programs.pop(fam.NAME, None))
         except EnvironmentProblem as e:
