@@ -95,3 +95,19 @@ def test_a_damaged_cache_file_is_compiled_again(cache):
         assert not fam.from_cache
     finally:
         fam.close()
+
+
+def test_with_the_cache_off_a_program_comes_back_over_the_pipe(tmp_path, monkeypatch, need_bpf):
+    import sys
+    monkeypatch.setenv(progcache.ENV_DIR, "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # where a default cache would go
+    from ccld.bpf.rdma import RdmaFamily
+    had_bcc = "bcc" in sys.modules
+    fam = RdmaFamily(lambda k, r: None)
+    fam.load()
+    try:
+        assert not fam.from_cache and fam.ring is not None and fam.lost() == 0
+        assert ("bcc" in sys.modules) == had_bcc, "the compile ran bcc in this process"
+        assert not (tmp_path / "xdg" / "ccld" / "bpf").exists(), "nothing kept with the cache off"
+    finally:
+        fam.close()
