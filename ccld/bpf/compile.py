@@ -56,7 +56,8 @@ def compile_specs(requests: Sequence[Tuple[str, Sequence[str]]]) -> List[Union[D
             out.append(ans["spec"])
         else:
             why = ans.get("error") if isinstance(ans, dict) else None
-            out.append(EnvironmentProblem(f"could not compile/load {os.path.basename(src)}: {why or err}", HINT))
+            said = f"{why}; the compiler said: {err}" if why and err else (why or err)  # clang's lines are on stderr
+            out.append(EnvironmentProblem(f"could not compile/load {os.path.basename(src)}: {said}", HINT))
     return out
 
 

@@ -111,3 +111,39 @@ def test_with_the_cache_off_a_program_comes_back_over_the_pipe(tmp_path, monkeyp
         assert not (tmp_path / "xdg" / "ccld" / "bpf").exists(), "nothing kept with the cache off"
     finally:
         fam.close()
+
+
+def test_a_cold_start_compiles_ahead_in_several_children_and_a_broken_family_fails_alone(cache, tmp_path):
+    """compile_ahead: the families the cache lacks are compiled by child processes side by side (one
+    per CPU); each family gets its own program description, and one whose source does not compile
+    gets its own problem while the others compile."""
+    from ccld.bpf import loader
+    from ccld.bpf.gloo import GlooFamily
+    from ccld.bpf.gloo_translator import GlooTranslator
+    from ccld.bpf.sched import SchedFamily
+    from ccld.errors import EnvironmentProblem
+    broken = tmp_path / "broken.bpf.c"
+    broken.write_text("int f(void *ctx) { return undeclared; }\n")
+
+    class Broken(SchedFamily):
+        NAME = "broken"
+
+        def source_path(self):
+            return str(broken)
+
+        def cache_key(self):
+            return "broken-" + super().cache_key()
+
+    fams = [GlooFamily(GlooTranslator(lambda e: None)), SchedFamily(lambda *a: None), Broken(lambda *a: None)]
+    loader.compile_ahead(fams)
+    assert isinstance(fams[0].ahead, dict) and isinstance(fams[1].ahead, dict)
+    names = [{f["name"] for f in fam.ahead["functions"]} for fam in fams[:2]]
+    assert "tracepoint__sched__sched_switch" in names[1] and "tracepoint__sched__sched_switch" not in names[0]
+    assert {p.fn for p in GlooFamily.PROBES if p.fn} <= names[0]  # each family got its own program
+    assert isinstance(fams[2].ahead, EnvironmentProblem) and "undeclared" in str(fams[2].ahead)
+    fams[1].load()  # takes what was compiled ahead: loads it, and keeps it in the cache
+    try:
+        assert not fams[1].from_cache and fams[1].ahead is None and os.listdir(cache)
+    finally:
+        fams[1].close()
+
