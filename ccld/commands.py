@@ -22,8 +22,14 @@ def _on_signal() -> threading.Event:
     says it is ready, so a signal sent as soon as the line is read still stops it cleanly (it used to
     come before the handler and leave the collector's threads running, the process alive)."""
     done = threading.Event()
+
+    def stop(*_) -> None:
+        done.set()
+        for s in (signal.SIGINT, signal.SIGTERM):  # a second one ends a long stop (a big export) at once
+            signal.signal(s, signal.SIG_DFL)
+
     for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, lambda *_: done.set())
+        signal.signal(s, stop)
     return done
 
 
@@ -48,15 +54,16 @@ def cmd_collector(args) -> int:
             import shutil
             shutil.rmtree(tmp_store, ignore_errors=True)
         raise
-    metrics = _serve_metrics(c, args.metrics)
     done = _on_signal()
-    _say(f"ccld collector: listening on {c.endpoint}"
-         + (f", time service {c.time_service.endpoint}" if c.time_service else "")
-         + (f", store {args.store}" if args.store else "")
-         + (f", findings {args.findings}" if args.findings else "")
-         + (f", metrics {metrics.url}/metrics" if metrics else "")
-         + (f", trace {args.perfetto} at exit" if args.perfetto else "") + ". Ctrl-C to end")
+    metrics = None
     try:
+        metrics = _serve_metrics(c, args.metrics)
+        _say(f"ccld collector: listening on {c.endpoint}"
+             + (f", time service {c.time_service.endpoint}" if c.time_service else "")
+             + (f", store {args.store}" if args.store else "")
+             + (f", findings {args.findings}" if args.findings else "")
+             + (f", metrics {metrics.url}/metrics" if metrics else "")
+             + (f", trace {args.perfetto} at exit" if args.perfetto else "") + ". Ctrl-C to end")
         _wait_for(done)
     finally:
         if metrics:
@@ -96,12 +103,12 @@ def cmd_agent(args) -> int:
     agent.load()
     if args.nccl_plugin_socket:
         agent.open_ncclprof_sink(args.nccl_plugin_socket)
+    done = _on_signal()  # a signal during the start is kept: the agent stops as soon as it has started
     agent.start()
     what = f"pid {', '.join(map(str, args.pid))}" if args.pid else "every rank on this node"
-    done = _on_signal()
-    _say(f"ccld agent: tracing {what}; sources: {', '.join(agent.all_sources)}; collector {args.collector}; "
-         f"{agent.spool.describe()}. Ctrl-C to end")
     try:
+        _say(f"ccld agent: tracing {what}; sources: {', '.join(agent.all_sources)}; collector {args.collector}; "
+             f"{agent.spool.describe()}. Ctrl-C to end")
         _wait_for(done)
     finally:
         agent.stop()

@@ -5,8 +5,8 @@ The parent (compile_specs) runs `python -m ccld.bpf.compile` with a list of (sou
 JSON on stdin; the child makes kernel headers findable (kheaders.py), compiles each with bcc.BPF(),
 describes the result (progcache.describe: maps, instructions, relocations) and writes the list of
 descriptions (or each one's error) as JSON to its stdout; anything bcc or clang prints goes to
-stderr. A cold start compiles every family the cache lacks in one child (loader.compile_ahead). The parent keeps the description in the
-program cache (unless the cache is off) and loads it with program.Program, the same path as a
+stderr. A cold start compiles the families the cache lacks in one child per CPU, each taking several
+(loader.compile_ahead). The parent keeps the description in the program cache (unless the cache is off) and loads it with program.Program, the same path as a
 cached start. The child's own maps and programs die with it. A failed compile is an
 EnvironmentProblem carrying the tail of the child's stderr.
 """

@@ -101,19 +101,23 @@ def compile_ahead(families: Sequence["Family"]) -> None:
             pass  # its load() says what it cannot read
     if len(todo) < 2:
         return
-    children = max(1, min(COMPILE_CHILDREN, os.cpu_count() or 1, len(todo)))
+    children = max(1, min(COMPILE_CHILDREN, len(os.sched_getaffinity(0)), len(todo)))  # the CPUs we may use
     shares = [list(range(k, len(todo), children)) for k in range(children)]  # round robin: sizes differ
 
     def one(share: List[int]) -> None:
         try:
             specs = compile_specs([requests[i] for i in share])
-        except EnvironmentProblem:
+        except Exception as e:  # whatever it was: each family's own compile tries again and reports
+            log.warning("compiling %s ahead failed: %s", ", ".join(todo[i].NAME for i in share), e)
             return
         for i, spec in zip(share, specs):
             todo[i].ahead = spec
 
-    with concurrent.futures.ThreadPoolExecutor(children) as pool:
-        list(pool.map(one, shares))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(children) as pool:
+            list(pool.map(one, shares))
+    except RuntimeError as e:  # no thread to be had (a pids limit): the families compile one by one
+        log.warning("compiling ahead: %s", e)
 
 
 class Family:
@@ -335,9 +339,10 @@ class Family:
                 (att.ret_points if probe.ret else att.points).append((sym, addr))
         except Exception as e:
             self._detach_events(att.events)
+            hint = ("let the other tracer detach, or stop it, then restart the rank's tracing"
+                    if "ref_ctr_offset" in str(e) else "is the library readable, and are you root?")
             raise EnvironmentProblem(f"{self.NAME}: attaching to {lib} failed after "
-                                     f"{len(att.points) + len(att.ret_points)} probes: {e}",
-                                     "is the library readable, and are you root?")
+                                     f"{len(att.points) + len(att.ret_points)} probes: {e}", hint)
         return att
 
     def _detach_events(self, fds: List[int]) -> None:

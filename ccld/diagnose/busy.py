@@ -21,9 +21,12 @@ Per job, each tick:
             together)
   finding   `comp-slow` (reason "own-work") once that held for PERSIST_S of ticks (misses shorter than
             PERSIST_GRACE_S do not restart the count).
-Caveat: a job whose steps are longer than ~1.5 buckets (3 s) ends operations in fewer than
-SPREAD_FRACTION of the buckets, so this rule names nobody there; arrival lateness (slow.py) and
-compute durations (compute.py) still judge it.
+Caveat: a rank that ends its operations in one burst per step (DDP-style: the step's all-reduces
+together) ends some in fewer than SPREAD_FRACTION of the buckets once its steps, slowed, are longer
+than BUCKET_S / SPREAD_FRACTION (3.3 s), so this rule names nobody there; arrival lateness
+(slow.py) and compute durations (compute.py) still judge it. Pipelines end p2p ops all through a
+step. Ends on any communicator count: a paused rank that still talks on a side group is not paused
+to this rule.
 Findings carry seq -1 and the communicator the culprits' p2p or collectives run on. Times: Unix
 seconds. Cost: numpy over the job's rows per tick (ranks x BASELINE_S / BUCKET_S values).
 """

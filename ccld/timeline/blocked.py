@@ -46,7 +46,7 @@ class JobBlocked:
         self.newest_end: Dict[int, float] = {}                    # rank -> the latest end among them
         self.ended: Dict[int, int] = {}                           # rank -> operations ended so far
         self.rows = np.zeros((0, SERIES_BUCKETS), dtype=np.float64)  # cumulative totals at each bucket's end
-        self.end_rows = np.zeros((0, SERIES_BUCKETS), dtype=np.int64)  # cumulative `ended` likewise
+        self.end_rows = np.zeros((0, SERIES_BUCKETS), dtype=np.uint32)  # cumulative `ended`, mod 2**32
         self.stamp = np.full(SERIES_BUCKETS, -1, dtype=np.int64)  # the absolute bucket each column holds
         self.first_bucket: Optional[int] = None                   # the first snapshot's
         self.last_bucket = -1
@@ -89,17 +89,17 @@ class JobBlocked:
             size = max(n, 2 * len(self.rows), 8)
             grown = np.zeros((size, SERIES_BUCKETS))
             grown[:len(self.rows)] = self.rows
-            grown_ends = np.zeros((size, SERIES_BUCKETS), dtype=np.int64)
+            grown_ends = np.zeros((size, SERIES_BUCKETS), dtype=np.uint32)
             grown_ends[:len(self.end_rows)] = self.end_rows
             self.rows, self.end_rows = grown, grown_ends
         cur = np.zeros(len(self.rows))
-        cur_ends = np.zeros(len(self.rows), dtype=np.int64)
+        cur_ends = np.zeros(len(self.rows), dtype=np.uint32)
         if self.total:
             cur[np.fromiter(self.total.keys(), dtype=np.int64, count=len(self.total))] = \
                 np.fromiter(self.total.values(), dtype=np.float64, count=len(self.total))
         if self.ended:
             cur_ends[np.fromiter(self.ended.keys(), dtype=np.int64, count=len(self.ended))] = \
-                np.fromiter(self.ended.values(), dtype=np.int64, count=len(self.ended))
+                np.fromiter((n & 0xFFFFFFFF for n in self.ended.values()), dtype=np.uint32, count=len(self.ended))
         if self.first_bucket is None:
             self.first_bucket = b
         elif b > self.last_bucket + 1:  # buckets without a tick: nothing was seen to end in them
@@ -126,7 +126,8 @@ class JobBlocked:
         return (self.rows[:, z] - self.rows[:, a]) / ((last - first + 1) * BUCKET_S)
 
     def ends(self, bucket: int) -> Optional[np.ndarray]:
-        """Operations that ended per rank in one bucket (absolute), or None when not snapshotted."""
+        """Operations that ended per rank in one bucket (absolute), or None when not snapshotted (the
+        difference is taken mod 2**32, as the totals are kept: right while a bucket sees fewer ends)."""
         if self.window(bucket, bucket) is None:
             return None
         return self.end_rows[:, bucket % SERIES_BUCKETS] - self.end_rows[:, (bucket - 1) % SERIES_BUCKETS]
