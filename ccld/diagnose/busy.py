@@ -19,8 +19,13 @@ Per job, each tick:
             >= OTHERS_REL_DROP (the steps are longer: the job is slower for it; a rank that only used
             its slack slows nobody); at most MAX_SHARE of the ranks (a group slowed together is named
             together)
-  finding   `comp-slow` (reason "own-work") once that held for PERSIST_S of ticks (misses shorter than
-            PERSIST_GRACE_S do not restart the count).
+  starved   else, a rank whose threads wait for a CPU (runqueue share over the window, SchedStats) at
+            least STARVED_RUNQ s per s and STARVED_VS_OTHERS times the others' median, ending operations
+            in most buckets, while the others' blocked share is up OTHERS_WAIT_MORE on their baseline: a
+            CPU hog on its core makes it wait inside its sends and receives too, so its blocked share
+            grows with everyone's and its own work does not show it (reason "cpu-starved")
+  finding   `comp-slow` (reason "own-work" or "cpu-starved") once that held for PERSIST_S of ticks
+            (misses shorter than PERSIST_GRACE_S do not restart the count).
 Caveat: a rank that ends its operations in one burst per step (DDP-style: the step's all-reduces
 together) ends some in fewer than SPREAD_FRACTION of the buckets once its steps, slowed, are longer
 than BUCKET_S / SPREAD_FRACTION (3.3 s), so this rule names nobody there; arrival lateness
@@ -63,6 +68,10 @@ SPREAD_FRACTION = 0.6  # its work grew (by half of MIN_DELTA at least) in this s
 PERSIST_S = 4.0        # it held this long (ticks) before it is a finding: not one odd window ...
 PERSIST_GRACE_S = 2.0  # ... where a miss shorter than this does not restart the count
 RELEASE_S = 20.0       # a held finding's baseline is released after this long without a culprit
+STARVED_RUNQ = 0.25    # a rank starved of CPU waits for one this many s per s over the window ...
+STARVED_VS_OTHERS = 3.0  # ... this many times the other ranks' median (on a busy box all of them wait some)
+MIN_RUNQ = 0.02        # the others' median taken as at least this (no division by ~0)
+OTHERS_WAIT_MORE = 0.05  # ... while the others' blocked share is up this much on their baseline
 
 
 @dataclass
@@ -139,6 +148,10 @@ class BusyDetector:
             least = min(g for r, g in zip(ranks, grew) if r in cand)
             if their_growth <= OTHERS_FACTOR * least and their_drop >= OTHERS_REL_DROP:
                 culprits = sorted(cand)
+        starved: Dict[int, float] = {}
+        if not culprits:
+            starved = self._starved(tl, job, rows, ranks, recent, med, first, last, now)
+            culprits = sorted(starved)
         if not culprits:
             if st.since is not None and st.missed_since is None:
                 st.missed_since = now
@@ -157,7 +170,39 @@ class BusyDetector:
             st.frozen = (med.copy(), spread.copy())
         if now - st.since < PERSIST_S:
             return None
-        return self._finding(tl, job, culprits, ranks, recent, med, grew, now, st.since)
+        return self._finding(tl, job, culprits, ranks, recent, med, grew, now, st.since, starved)
+
+    def _starved(self, tl: Timeline, job: str, rows: JobBlocked, ranks: List[int], recent, med, first: int,
+                 last: int, now: float) -> Dict[int, float]:
+        """Ranks starved of CPU while the others wait more: rank -> its runqueue share. A rank whose
+        threads wait for a CPU (a hog on its core) waits for it inside its sends and receives too, so
+        its blocked share grows with everyone's and its own work does not show it; its runqueue share
+        over the window does: STARVED_RUNQ s per s at least, STARVED_VS_OTHERS times the others'
+        median, ends of its operations in most buckets (not paused), and the others' blocked share up
+        by OTHERS_WAIT_MORE on their baseline (the job is slower for it)."""
+        shares = {}
+        for r in ranks:
+            rec = tl.rank_record(job, r)
+            v = rec.runq_since(now - RECENT_S) if rec is not None else None
+            if v is not None:
+                shares[r] = v
+        if len(shares) <= MIN_RANKS:
+            return {}
+        out = {}
+        for r, v in shares.items():
+            others = [x for q, x in shares.items() if q != r]
+            if v >= STARVED_RUNQ and v >= STARVED_VS_OTHERS * max(float(np.median(others)), MIN_RUNQ):
+                out[r] = v
+        if not out or len(out) > max(1, int(MAX_SHARE * len(ranks))):
+            return {}
+        ends = [rows.ends(b) for b in range(first, last + 1)]
+        if any(e is None for e in ends):
+            return {}
+        out = {r: v for r, v in out.items() if np.mean([e[r] > 0 for e in ends]) >= SPREAD_FRACTION}
+        rest = np.array([r for r in ranks if r not in out])
+        if not out or not len(rest) or float(np.median(recent[rest] - med[rest])) < OTHERS_WAIT_MORE:
+            return {}
+        return out
 
     def _ranks(self, tl: Timeline, job: str, n: int) -> List[int]:
         """The job's ranks that have a row and are alive (an exited rank's blocked time stops)."""
@@ -169,7 +214,7 @@ class BusyDetector:
         return out
 
     def _finding(self, tl: Timeline, job: str, culprits: List[int], ranks: List[int], recent, med, grew,
-                 now: float, since: float) -> Finding:
+                 now: float, since: float, starved: Optional[Dict[int, float]] = None) -> Finding:
         comm = home_comm(tl, job, culprits)
         gi = {r: float(g) for r, g in zip(ranks, grew)}
         others = [gi[r] for r in ranks if r not in culprits]
@@ -183,14 +228,24 @@ class BusyDetector:
                 d.update(_cause(tl, comm, r, members))
             details.append(d)
         shown = "; ".join(f"rank {d['rank']} works {1e3 * d['own_work_grew']:+.0f} ms/s more" for d in details[:3])
+        note = ("the named rank's own work (time outside communication) grew while every other "
+                "rank's did not and they wait longer: it holds the job back")
+        if starved:
+            theirs = [v for r, v in ((r, getattr(tl.rank_record(job, r), "runq_share", None)) for r in ranks)
+                      if r not in starved and v is not None]
+            for d in details:
+                d["runq_s_per_s"] = round(starved[d["rank"]], 3)
+            shown = "; ".join(f"rank {d['rank']} waits for a CPU {d['runq_s_per_s']:.2f} s per s" for d in details[:3]) \
+                + (f" (the others {float(np.median(theirs)):.2f})" if theirs else "")
+            note = ("the named rank's threads wait for a CPU far more than the other ranks' (another process "
+                    "competes for its cores), inside its communication too, and the others wait longer: it "
+                    "holds the job back")
         wait = -float(np.median(others)) if others else 0.0
-        evidence = {"reason": "own-work", "window_s": RECENT_S, "baseline_s": BASELINE_S, "ranks": details,
+        evidence = {"reason": "cpu-starved" if starved else "own-work", "window_s": RECENT_S, "baseline_s": BASELINE_S, "ranks": details,
                     "others_wait_more_s_per_s": round(wait, 3),
                     "summary": shown + (f" (+{len(culprits) - 3})" if len(culprits) > 3 else "")
                     + "; the others wait for it",
-                    "note": ("the named rank's own work (time outside communication) grew while every other "
-                             "rank's did not and they wait longer: it holds the job back"
-                             + (" (a group slowed together)" if len(culprits) > 1 else ""))}
+                    "note": note + (" (a group slowed together)" if len(culprits) > 1 else "")}
         return Finding(kind="slow", cls="comp-slow", ranks=culprits, comm=comm.id if comm else job, seq=-1,
                        op=_op(tl, comm, culprits), onset_at=since - RECENT_S / 2 - SETTLE_S, detected_at=now,
                        evidence=evidence, job=job)

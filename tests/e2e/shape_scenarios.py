@@ -196,7 +196,13 @@ def _register() -> None:
                  # Not in CI for now: on 2026-12-02 it failed 3 of 3 runs on this box (the hog shows as a
                  # comm-slow of the link into the stage, or as nothing within 60 s), with the detectors of
                  # both this session and the last one on the same store, so the recording differs, not the
-                 # diagnosis; bench/accuracy.py still runs and scores it (issue 18).
+                 # diagnosis; bench/accuracy.py still runs and scores it (issue 18). 2026-12-03: wrong again
+                 # (nothing in 60 s, the job at half its step rate), the same with the previous detectors on
+                 # that store. Replayed: the hogged stage's blocked share ROSE with everyone's (0.50 -> 0.75;
+                 # its sends and receives wait for the CPU too), so own work (busy.py) cannot point at it;
+                 # it was named before only through a comm-slow of the link into it (slow.contended_inside),
+                 # which this run never raised. What would name it: the rank's runqueue share against the
+                 # others' while their waits grow, as a rule of its own.
                  Scenario("pp-cpu-hog", "comp-slow: a CPU hog on a stage's core (pipeline)", "pipeline", "comp-slow",
                           [1], kind="slow", deadline_s=S, ci=False))
     register(Scenario("fsdp-hang", "not-entered: a rank hangs before its all-gather (FSDP)", "fsdp", "not-entered", [1],

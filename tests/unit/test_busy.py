@@ -202,3 +202,53 @@ def test_one_rank_checkpointing_20_s_is_a_pause_not_a_slowdown():
     healthy(60)
     assert [(round(at - ckpt, 1), f.cls, f.ranks, f.evidence.get("reason")) for at, f in found
             if f.kind == "slow" and not f.evidence.get("informational")] == []
+
+
+def run_starved(hog_runq=1.0, slower=True, steps_before=1800, steps_after=900):
+    """A 4-stage pipeline whose stage 1 gets a CPU hog after `steps_before` steps: its threads wait for a
+    CPU `hog_runq` s per s (the others 0.15) and, when `slower`, its work and its transfers take longer
+    (it waits for the CPU inside them too), so its blocked share grows with everyone's. SchedStats
+    every 0.5 s, as the agent sends them."""
+    import collections
+    from ccld import wire as ev
+    job, tl = SynthJob(world=4), Timeline()
+    job.announce(T0)
+    t = T0 + 1
+    d = Diagnoser(tl)
+    found, next_feed, fault_at, next_sched = [], t + 0.5, None, t
+    runq = collections.Counter()
+    for i in range(steps_before + steps_after):
+        hog = i >= steps_before
+        if hog and fault_at is None:
+            fault_at = t
+        slow = {1: 6.0} if hog and slower else {}
+        links = {(0, 1): 6.0, (1, 2): 6.0} if hog and slower else None
+        t = job.pipeline(1, t, first_seq=i + 1, first_n=i + 1, stage_ms=10.0, slow=slow, link_ms=links)
+        while next_sched <= t:
+            for r in range(4):
+                runq[r] += int(0.5e9 * (hog_runq if hog and r == 1 else 0.15))
+                job._put(r, ev.SchedStats(pid=job.pid[r], rank=r, ts_ns=job.ts(r, next_sched), runq_ns=runq[r]))
+            next_sched += 0.5
+        if t >= next_feed:
+            job.feed(tl, t)
+            found += [(t, f) for f in d.find_slow(t)]
+            next_feed = t + 0.5
+    return found, fault_at
+
+
+def test_a_stage_starved_of_cpu_is_named_though_its_own_work_does_not_show_it():
+    """A CPU hog on stage 1's core: it waits for the CPU inside its sends and receives too, so its
+    blocked share grows like everyone's (own work cannot name it); its runqueue share can."""
+    found, fault_at = run_starved()
+    real = [(t, f) for t, f in found if not f.evidence.get("informational")]
+    assert real, "nothing found"
+    t, f = real[0]
+    assert (f.cls, f.ranks, f.evidence["reason"]) == ("comp-slow", [1], "cpu-starved"), (f.cls, f.ranks, f.evidence)
+    assert t - fault_at <= 30.0 and f.evidence["ranks"][0]["runq_s_per_s"] >= busy.STARVED_RUNQ
+    assert not [g for at, g in found if at < fault_at]
+
+
+def test_a_rank_waiting_for_a_cpu_that_slows_nobody_is_not_named():
+    """Stage 1 waits for a CPU as much, but the job is no slower (the others do not wait more)."""
+    found, _ = run_starved(slower=False)
+    assert [(f.cls, f.ranks) for _, f in found if not f.evidence.get("informational")] == []
