@@ -131,7 +131,10 @@ def test_the_baseline_holds_while_the_slowdown_lasts():
     assert late and all(f.ranks == [1] for f in late)
 
 
-def run_link(steps_before=1800, steps_after=700, link_ms=None, stage_ms=10.0):
+def drive(steps_before, steps_after, after, each_step=None):
+    """A 4-stage pipeline (10 ms stages): `steps_before` healthy steps, then `steps_after` with
+    job.pipeline's keywords `after` (slow, link_ms); each_step(job, t, faulty) after every step;
+    detection ticks every 0.5 s. Returns (found, fault_at)."""
     job, tl = SynthJob(world=4), Timeline()
     job.announce(T0)
     t = T0 + 1
@@ -140,13 +143,19 @@ def run_link(steps_before=1800, steps_after=700, link_ms=None, stage_ms=10.0):
     for i in range(steps_before + steps_after):
         if i == steps_before:
             fault_at = t
-        t = job.pipeline(1, t, first_seq=i + 1, first_n=i + 1, stage_ms=stage_ms,
-                         link_ms=link_ms if i >= steps_before else None)
+        kw = after if i >= steps_before else {}
+        t = job.pipeline(1, t, first_seq=i + 1, first_n=i + 1, stage_ms=10.0, **kw)
+        if each_step is not None:
+            each_step(job, t, i >= steps_before)
         if t >= next_feed:
             job.feed(tl, t)
             found += [(t, f) for f in d.find_slow(t)]
             next_feed = t + 0.5
     return found, fault_at
+
+
+def run_link(steps_before=1800, steps_after=700, link_ms=None):
+    return drive(steps_before, steps_after, {"link_ms": link_ms})
 
 
 def test_a_slow_link_between_two_stages_is_comm_slow_on_that_link():
@@ -205,35 +214,23 @@ def test_one_rank_checkpointing_20_s_is_a_pause_not_a_slowdown():
 
 
 def run_starved(hog_runq=1.0, slower=True, steps_before=1800, steps_after=900):
-    """A 4-stage pipeline whose stage 1 gets a CPU hog after `steps_before` steps: its threads wait for a
-    CPU `hog_runq` s per s (the others 0.15) and, when `slower`, its work and its transfers take longer
-    (it waits for the CPU inside them too), so its blocked share grows with everyone's. SchedStats
-    every 0.5 s, as the agent sends them."""
+    """Stage 1 gets a CPU hog after `steps_before` steps: its threads wait for a CPU `hog_runq` s per s
+    (the others 0.15) and, when `slower`, its work and its transfers take longer (it waits for the CPU
+    inside them too), so its blocked share grows with everyone's. SchedStats every 0.5 s, as the
+    agent sends them."""
     import collections
     from ccld import wire as ev
-    job, tl = SynthJob(world=4), Timeline()
-    job.announce(T0)
-    t = T0 + 1
-    d = Diagnoser(tl)
-    found, next_feed, fault_at, next_sched = [], t + 0.5, None, t
-    runq = collections.Counter()
-    for i in range(steps_before + steps_after):
-        hog = i >= steps_before
-        if hog and fault_at is None:
-            fault_at = t
-        slow = {1: 6.0} if hog and slower else {}
-        links = {(0, 1): 6.0, (1, 2): 6.0} if hog and slower else None
-        t = job.pipeline(1, t, first_seq=i + 1, first_n=i + 1, stage_ms=10.0, slow=slow, link_ms=links)
-        while next_sched <= t:
+    runq, next_sched = collections.Counter(), [T0 + 1]
+
+    def sched(job, t, hog):
+        while next_sched[0] <= t:
             for r in range(4):
                 runq[r] += int(0.5e9 * (hog_runq if hog and r == 1 else 0.15))
-                job._put(r, ev.SchedStats(pid=job.pid[r], rank=r, ts_ns=job.ts(r, next_sched), runq_ns=runq[r]))
-            next_sched += 0.5
-        if t >= next_feed:
-            job.feed(tl, t)
-            found += [(t, f) for f in d.find_slow(t)]
-            next_feed = t + 0.5
-    return found, fault_at
+                job._put(r, ev.SchedStats(pid=job.pid[r], rank=r, ts_ns=job.ts(r, next_sched[0]), runq_ns=runq[r]))
+            next_sched[0] += 0.5
+
+    after = {"slow": {1: 6.0}, "link_ms": {(0, 1): 6.0, (1, 2): 6.0}} if slower else {}
+    return drive(steps_before, steps_after, after, sched)
 
 
 def test_a_stage_starved_of_cpu_is_named_though_its_own_work_does_not_show_it():
