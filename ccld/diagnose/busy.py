@@ -69,7 +69,7 @@ PERSIST_S = 4.0        # it held this long (ticks) before it is a finding: not o
 PERSIST_GRACE_S = 2.0  # ... where a miss shorter than this does not restart the count
 RELEASE_S = 20.0       # a held finding's baseline is released after this long without a culprit
 STARVED_RUNQ = 0.25    # a rank starved of CPU waits for one this many s per s over the window ...
-STARVED_VS_OTHERS = 3.0  # ... this many times the other ranks' median (on a busy box all of them wait some)
+STARVED_VS_OTHERS = 2.0  # ... this many times the other ranks' median (on a busy box all of them wait some)
 MIN_RUNQ = 0.02        # the others' median taken as at least this (no division by ~0)
 OTHERS_WAIT_MORE = 0.05  # ... while the others' blocked share is up this much on their baseline
 

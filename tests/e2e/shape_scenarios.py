@@ -193,18 +193,12 @@ def _register() -> None:
     register_job("pp-ckpt-hog", pp_checkpoint_then_hog,
                  Scenario("pp-checkpoint", "healthy: stage 0 checkpoints 20 s (pipeline)", "pipeline", None, [],
                           kind="healthy"),
-                 # Not in CI for now: on 2026-12-02 it failed 3 of 3 runs on this box (the hog shows as a
-                 # comm-slow of the link into the stage, or as nothing within 60 s), with the detectors of
-                 # both this session and the last one on the same store, so the recording differs, not the
-                 # diagnosis; bench/accuracy.py still runs and scores it (issue 18). 2026-12-03: wrong again
-                 # (nothing in 60 s, the job at half its step rate), the same with the previous detectors on
-                 # that store. Replayed: the hogged stage's blocked share ROSE with everyone's (0.50 -> 0.75;
-                 # its sends and receives wait for the CPU too), so own work (busy.py) cannot point at it;
-                 # it was named before only through a comm-slow of the link into it (slow.contended_inside),
-                 # which this run never raised. What would name it: the rank's runqueue share against the
-                 # others' while their waits grow, as a rule of its own.
+                 # In CI again since 2026-12-03: it had failed often (nothing within 60 s) because the hogged
+                 # stage's blocked share rises with everyone's (it waits for the CPU inside its sends and
+                 # receives too), so own work could not point at it; busy.py's cpu-starved rule (its runqueue
+                 # share against the others') names it: 3 of 3 runs then (7.8 and 9.9 s live, 11 s replayed).
                  Scenario("pp-cpu-hog", "comp-slow: a CPU hog on a stage's core (pipeline)", "pipeline", "comp-slow",
-                          [1], kind="slow", deadline_s=S, ci=False))
+                          [1], kind="slow", deadline_s=S))
     register(Scenario("fsdp-hang", "not-entered: a rank hangs before its all-gather (FSDP)", "fsdp", "not-entered", [1],
                       run=lambda s: hang_at_step(s, "fsdp-hang", "fsdp_job.py", 4,
                                                  ["--hang-rank", 1, "--hang-step", step_at(HANG_BASELINE_S, "fsdp")],
