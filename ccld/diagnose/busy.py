@@ -131,13 +131,12 @@ class BusyDetector:
         if cand:  # step after step: the growth is in most of the window's buckets, not one long stretch,
             # and in buckets where the rank communicated: one with none of its operations ending is a pause
             per_bucket = [rows.window(b, b) for b in range(first, last + 1)]
-            ends = [rows.ends(b) for b in range(first, last + 1)]
-            if any(w is None for w in per_bucket) or any(e is None for e in ends):
+            talked = _talked(rows, first, last)
+            if any(w is None for w in per_bucket) or talked is None:
                 return None
             sel = np.array(cand)
             each = np.stack([w[sel] for w in per_bucket])           # buckets x candidates
-            talked = np.stack([e[sel] for e in ends]) > 0
-            spread_ok = (((med[sel] - each) >= MIN_DELTA / 2) & talked).mean(axis=0) >= SPREAD_FRACTION
+            spread_ok = (((med[sel] - each) >= MIN_DELTA / 2) & talked[:, sel]).mean(axis=0) >= SPREAD_FRACTION
             cand = [r for r, ok in zip(cand, spread_ok) if ok]
         culprits: List[int] = []
         if cand and len(cand) <= max(1, int(MAX_SHARE * len(ranks))):
@@ -188,17 +187,16 @@ class BusyDetector:
                 shares[r] = v
         if len(shares) <= MIN_RANKS:
             return {}
-        out = {}
-        for r, v in shares.items():
-            others = [x for q, x in shares.items() if q != r]
-            if v >= STARVED_RUNQ and v >= STARVED_VS_OTHERS * max(float(np.median(others)), MIN_RUNQ):
-                out[r] = v
+        vals = np.fromiter(shares.values(), dtype=np.float64, count=len(shares))
+        theirs = _median_without_each(vals)
+        out = {r: v for r, v, m in zip(shares, vals.tolist(), theirs.tolist())
+               if v >= STARVED_RUNQ and v >= STARVED_VS_OTHERS * max(m, MIN_RUNQ)}
         if not out or len(out) > max(1, int(MAX_SHARE * len(ranks))):
             return {}
-        ends = [rows.ends(b) for b in range(first, last + 1)]
-        if any(e is None for e in ends):
+        talked = _talked(rows, first, last)
+        if talked is None:
             return {}
-        out = {r: v for r, v in out.items() if np.mean([e[r] > 0 for e in ends]) >= SPREAD_FRACTION}
+        out = {r: v for r, v in out.items() if talked[:, r].mean() >= SPREAD_FRACTION}
         rest = np.array([r for r in ranks if r not in out])
         if not out or not len(rest) or float(np.median(recent[rest] - med[rest])) < OTHERS_WAIT_MORE:
             return {}
@@ -249,6 +247,32 @@ class BusyDetector:
         return Finding(kind="slow", cls="comp-slow", ranks=culprits, comm=comm.id if comm else job, seq=-1,
                        op=_op(tl, comm, culprits), onset_at=since - RECENT_S / 2 - SETTLE_S, detected_at=now,
                        evidence=evidence, job=job)
+
+
+def _talked(rows: JobBlocked, first: int, last: int) -> Optional[np.ndarray]:
+    """buckets x ranks: whether operations of the rank ended in each bucket first..last (one without
+    any is a pause, not a step of a slowdown), or None when the snapshots do not reach that far."""
+    ends = [rows.ends(b) for b in range(first, last + 1)]
+    if any(e is None for e in ends):
+        return None
+    return np.stack(ends) > 0
+
+
+def _median_without_each(vals: np.ndarray) -> np.ndarray:
+    """For each value, the median of all the others (n >= 2), from one sort: O(n log n), not O(n^2)."""
+    n = len(vals)
+    order = np.argsort(vals, kind="stable")
+    s = vals[order]
+    m = n - 1
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)  # each value's place in the sorted array
+
+    def kth(k: int) -> np.ndarray:  # the k-th smallest of the others, for each value
+        return np.where(k < pos, s[k], s[min(k + 1, n - 1)])
+
+    if m % 2:
+        return kth(m // 2)
+    return (kth(m // 2 - 1) + kth(m // 2)) / 2
 
 
 def home_comm(tl: Timeline, job: str, ranks: List[int]) -> Optional[Comm]:

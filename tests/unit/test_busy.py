@@ -249,3 +249,13 @@ def test_a_rank_waiting_for_a_cpu_that_slows_nobody_is_not_named():
     """Stage 1 waits for a CPU as much, but the job is no slower (the others do not wait more)."""
     found, _ = run_starved(slower=False)
     assert [(f.cls, f.ranks) for _, f in found if not f.evidence.get("informational")] == []
+
+
+def test_the_median_of_the_others_is_each_ranks_leave_one_out_median():
+    """busy._median_without_each (one sort for every rank) against numpy's median with that rank removed."""
+    import numpy as np
+    rnd = random.Random(3)
+    for _ in range(2000):
+        v = np.array([rnd.choice([0.1, 0.2, 0.3, rnd.random()]) for _ in range(rnd.randint(2, 9))])
+        want = [np.median(np.delete(v, i)) for i in range(len(v))]
+        assert busy._median_without_each(v).tolist() == pytest.approx(want)
