@@ -7,8 +7,9 @@ events of the collectives its ranks did in that interval: the world communicator
 per second plus one collective of the node's own 8-rank group per world collective, each rank
 entering (ring-ordered arrivals with noise), starting and ending it. Real ZeroMQ PUSH sockets, real
 MessagePack frames, the real collector (in this process, with a store on disk).
-Latency = the collector's receive time (when its ingest thread took the frame) minus the frame's own
-clock sample, stamped when the frame was built: queueing in ZeroMQ plus waiting behind other frames.
+Latency = when the frame's events were in the timeline (the end of the ingest that applied it, with
+the other frames taken in the same wake) minus the frame's own clock sample, stamped when the frame was
+built: queueing in ZeroMQ, waiting behind other frames, and the ingest itself.
 Memory = this process's RSS growth over the run, per rank. Tick = Diagnoser.diagnose() at the end.
 Caveat: senders and collector share this machine's CPUs; the figures are floors.
 
@@ -132,17 +133,19 @@ def run(ranks: int, seconds: float, rate: float, columns: bool = True, drain_s: 
     col = Collector(listen="tcp://127.0.0.1:*", store_dir=store, on_line=lambda s: None)
     lat: List[float] = []
     ingest_thread: List[Any] = [None]
-    real_ingest = col.timeline.ingest
+    real_ingest = col.timeline.ingest_many
 
-    def ingest(batch, recv_unix):  # the frame's clock sample was stamped when the sender built it
+    def ingest(frames):  # each frame's clock sample was stamped when the sender built it
         if ingest_thread[0] is None:
             ingest_thread[0] = threading.get_native_id()
-        for e in batch.plain:
-            if e.KIND == "clock":
-                lat.append(recv_unix - e.wall_ns / 1e9)
-        real_ingest(batch, recv_unix)
+        real_ingest(frames)
+        now = time.time()  # in the timeline: the frames of one ingest are applied together
+        for batch, _ in frames:
+            for e in batch.plain:
+                if e.KIND == "clock":
+                    lat.append(now - e.wall_ns / 1e9)
 
-    col.timeline.ingest = ingest
+    col.timeline.ingest_many = ingest
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
     cpu0 = proc.cpu_times()
@@ -236,7 +239,7 @@ arrivals with noise), starting and ending each; {r0['seconds']:g} s of sending, 
 is queued. Collector in this process, storing to disk. Frames: collective events as column blocks
 (schema 1.4, what agents send) or one map per event (the old shape, for the ratio). Ingest thread: events
 per CPU-second of the collector's ingest thread alone (decode, store, timeline: the one core the goal
-speaks of); process: all of the collector's threads. Latency: frame built -> taken by the ingest thread.
+speaks of); process: all of the collector's threads. Latency: frame built -> its events in the timeline.
 
 | ranks | rate | frames | intended events/s | offered events/s | ingested events/s | per CPU-s, ingest thread | per CPU-s, process | latency p50 / p99 ms | drain after | memory peak | diagnosis tick |
 |---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|

@@ -22,7 +22,7 @@ import os
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
@@ -47,6 +47,8 @@ DEFAULT_LISTEN = "tcp://127.0.0.1:5555"
 TICK_S = 0.5              # detection period: findings within seconds need sub-second ticks
 POLL_MS = 100             # ingest wakes at least this often to flush the store and notice stop()
 MAX_BURST = 256           # frames handled per wake before flushing/checking stop again
+GROUP_FRAMES = 256        # frames whose collective rows the timeline applies together (one lock hold) ...
+GROUP_EVENTS = 16_384     # ... or fewer, to hold this many events at most: the lock and a stop wait on it
 STOP_DRAIN_S = 2.0        # on stop, ingest what is already queued for this long (< JOIN_TIMEOUT_S) ...
 STOP_COUNT_S = 1.0        # ... then receive the rest unread for this long, to count it (frames_dropped_at_stop)
 # Frames queued per agent connection in ZeroMQ, the collector's only receive queue: <= ~30 MiB per agent
@@ -228,18 +230,30 @@ class Collector:
                 drain_until = time.monotonic() + STOP_DRAIN_S
             try:
                 if stopping or poller.poll(POLL_MS):
+                    taken: List[Tuple[ev.Batch, float]] = []
+                    events = 0
                     for _ in range(MAX_BURST):
                         if stopping and time.monotonic() >= drain_until:
                             self._count_left_at_stop()
                             break
+                        if not stopping and self._stop.is_set():
+                            break  # stop() came during the burst: start its drain clock now
                         try:
                             frame = self._sock.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self.handle_frame(frame, time.time())
+                        got = self._take(frame, time.time())
+                        if got is not None:
+                            taken.append(got)
+                            events += len(got[0].plain) + sum(b.n for b in got[0].blocks)
+                            if len(taken) >= GROUP_FRAMES or events >= GROUP_EVENTS:
+                                self._ingest(taken)
+                                events = 0
                     else:
+                        self._ingest(taken)
                         if stopping:
                             continue  # more was waiting: keep draining (for STOP_DRAIN_S) before the final flush
+                    self._ingest(taken)
                 if self._store is not None:
                     self._store.maybe_flush()
                     if time.monotonic() - last_stats >= STATS_INTERVAL_S:
@@ -269,14 +283,33 @@ class Collector:
 
     def handle_frame(self, frame: bytes, recv_unix: float) -> None:
         """Decode, count, store and ingest one frame (the ingest thread's job; public for tests)."""
+        got = self._take(frame, recv_unix)
+        if got is not None:
+            self._ingest([got])
+
+    def _ingest(self, taken: List[Tuple[ev.Batch, float]]) -> None:
+        """Frames taken (decoded and stored), into the timeline together (their rows in one pass)."""
+        if not taken:
+            return
+        with self._lock:
+            self.timeline.ingest_many(taken)
+        for batch, _ in taken:
+            for e in batch.errors:
+                self._log_reject("event:" + e.reason, f"dropped a bad event ({e.reason}): {e}")
+        taken.clear()
+
+    def _take(self, frame: bytes, recv_unix: float) -> Optional[Tuple[ev.Batch, float]]:
+        """Decode, count and store one frame: (its batch, recv_unix) for the timeline, None when it was
+        a duplicate or rejected (counted, said)."""
         ticket = self.acks.admit(frame)  # from the envelope's first bytes: a replay costs no decode
         if ticket is DUPLICATE:
-            return  # an agent sent it again after a restart, and it is stored already (counted)
+            return None  # an agent sent it again after a restart, and it is stored already (counted)
         with self._lock:
             batch, err = decode_frame(frame, self.counters)
-        if err is not None:
-            self._log_reject(err.reason, f"rejected a {len(frame)}-byte frame ({err.reason}): {err}")
-            return
+        if batch is None:
+            reason = err.reason if err is not None else "decoder-error"
+            self._log_reject(reason, f"rejected a {len(frame)}-byte frame ({reason}): {err}")
+            return None
         if self._store is not None:
             try:
                 self._store.append(frame, recv_unix)
@@ -287,10 +320,7 @@ class Collector:
                                           f"({self.store_errors} frames not stored): {e}")
         else:
             self.acks.stored(ticket, None)
-        with self._lock:
-            self.timeline.ingest(batch, recv_unix)
-        for e in batch.errors:
-            self._log_reject("event:" + e.reason, f"dropped a bad event ({e.reason}): {e}")
+        return batch, recv_unix
 
     # ---- detection ------------------------------------------------------------------------------
 

@@ -4,9 +4,9 @@ Hangs and slowdowns both (Diagnoser.diagnose), through the same FindingTracker: 
 update records (report["updates"]) and recoveries are those the collector printed live, except
 Python stacks (py-spy needs the live processes).
 
-Frames are ingested in stored order; before each frame the detectors run at every STEP_S of
-recorded time (the frames' recv times, Unix seconds) up to it, and at the end up to the moment the
-collector closed the store, so a recorded hang is found offline as it was live, with the same ids
+Frames are ingested in stored order (those between two ticks together); before each frame the
+detectors run at every STEP_S of recorded time (the frames' recv times, Unix seconds) up to it, and
+at the end up to the moment the collector closed the store, so a recorded hang is found offline as it was live, with the same ids
 and onsets (detection times differ by at most a step).
 Caveat: during long silent gaps the step widens (at most MAX_STEPS_PER_GAP ticks per gap), so
 `detected_at` there is coarser; stores are read whole segment by segment (64 MiB at a time).
@@ -21,7 +21,7 @@ from ccld.diagnose.findings import Finding
 from ccld.diagnose.tracker import FindingTracker
 from ccld.store import list_segments, read_meta, read_stats, read_store
 from ccld.timeline.clock import format_clock_lines
-from ccld.timeline.ingest import IngestCounters, ingest_frame
+from ccld.timeline.ingest import LOAD_GROUP, IngestCounters, decode_frame
 from ccld.timeline.timeline import Timeline
 
 STEP_S = 0.5              # same period as the live collector's detection tick
@@ -58,6 +58,7 @@ def replay(store_dir: str, floor_s: Optional[float] = None, k: float = 4.0,
 
     first = last = None
     n = backwards = 0
+    group: List[Tuple[Any, float]] = []
     next_tick = 0.0
     # `ccld run` stopped the job on purpose from here on: the live collector ran no detection after it
     quiesced = meta.get("quiesced_at") if isinstance(meta.get("quiesced_at"), (int, float)) else None
@@ -67,12 +68,19 @@ def replay(store_dir: str, floor_s: Optional[float] = None, k: float = 4.0,
             recv = last
         if first is None:
             first, next_tick = recv, recv + step_s
-        next_tick = run_until(next_tick, recv if quiesced is None else min(recv, quiesced))
-        _, err = ingest_frame(frame, recv, tl, counters)
+        until = recv if quiesced is None else min(recv, quiesced)
+        if next_tick <= until or len(group) >= LOAD_GROUP:
+            tl.ingest_many(group)  # the frames since the last tick, together, before the next one looks
+            group = []
+        next_tick = run_until(next_tick, until)
+        batch, err = decode_frame(frame, counters)
+        if batch is not None:
+            group.append((batch, recv))
         if err is not None and len(rejects) < 20:
             rejects.append(f"record {n} ({recv:.3f}): {err.reason}: {err}")
         last = recv
         n += 1
+    tl.ingest_many(group)
     closed_at = meta.get("closed_at")
     if last is not None:
         end = max(last, closed_at) if isinstance(closed_at, (int, float)) else last

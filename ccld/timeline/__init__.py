@@ -1,9 +1,12 @@
 """ccld.timeline: the in-memory model every analysis reads, built from decoded frames.
 
-    timeline.py     ranks, communicators and collectives joined across agents (Timeline): ingest, the
-                    questions; its records in records.py (RankRecord, Comm, CollView); communicator
-                    events applied by comms.py one at a time, by colblocks.py a column block's run at a
-                    time (the fast path)
+    timeline.py     ranks, communicators and collectives joined across agents (Timeline): ingest of
+                    one or several frames, the questions; its records in records.py (RankRecord, Comm,
+                    CollView); CommInit, p2p and rank events applied by comms.py one at a time
+    colltable.py    every communicator's collectives as arrays (CollStore: cells, slots, entries),
+                    shown to the analyses one collective at a time by collview.py (CollView)
+    collrows.py     every enter, start and end (column block rows or single events) gathered as rows,
+                    applied with array operations by collapply.py: one ingest path
     ingest.py       one frame: decode (counted by reason), then into a Timeline; a store into a fresh one
     clock.py        the one conversion of a node's clock to the collector's timebase (clockrefine.py:
                     corrected with the job's own collectives)

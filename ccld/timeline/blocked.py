@@ -21,7 +21,7 @@ with the past still hold.
 from __future__ import annotations
 
 import collections
-from typing import Deque, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -34,35 +34,57 @@ KEPT_INTERVALS = 16       # per rank: a batch of p2p ops and the collectives aro
 
 
 class JobBlocked:
-    """One job's blocked time: a running total per rank (Python floats, one add per operation that
-    ends), and snapshots of those totals taken by the detector each tick (`snapshot`), one column per
+    """One job's blocked time: a running total per rank (arrays indexed by global rank, grown by
+    doubling), and snapshots of those totals taken by the detector each tick (`snapshot`), one column per
     BUCKET_S bucket in a ring of SERIES_BUCKETS; a window's share is the difference of two snapshots.
     An operation counts in the bucket its end was seen in (a long wait all at once): windows of
-    several buckets smooth that out."""
+    several buckets smooth that out. Each rank's newest KEPT_INTERVALS intervals are a ring (`kept`)."""
 
     def __init__(self) -> None:
-        self.total: Dict[int, float] = {}                         # rank -> blocked seconds so far
-        self.counted: Dict[int, Deque[Tuple[float, float]]] = {}  # rank -> its newest counted intervals
-        self.newest_end: Dict[int, float] = {}                    # rank -> the latest end among them
-        self.ended: Dict[int, int] = {}                           # rank -> operations ended so far
+        self.n = 0                                      # ranks 0..n-1 have had an operation end
+        self.total = np.zeros(8)                        # rank -> blocked seconds so far
+        self.newest_end = np.full(8, -np.inf)           # rank -> the latest end among its counted intervals
+        self.ended = np.zeros(8, dtype=np.int64)        # rank -> operations ended so far
+        self.kept = np.empty((8, KEPT_INTERVALS, 2))    # rank -> its newest counted intervals (start, end)
+        self.kept[:, :, 0], self.kept[:, :, 1] = np.inf, -np.inf  # (an unused entry overlaps nothing)
+        self.kpos = np.zeros(8, dtype=np.int64)         # rank -> where its next interval goes in `kept`
         self.rows = np.zeros((0, SERIES_BUCKETS), dtype=np.float64)  # cumulative totals at each bucket's end
         self.end_rows = np.zeros((0, SERIES_BUCKETS), dtype=np.uint32)  # cumulative `ended`, mod 2**32
         self.stamp = np.full(SERIES_BUCKETS, -1, dtype=np.int64)  # the absolute bucket each column holds
         self.first_bucket: Optional[int] = None                   # the first snapshot's
         self.last_bucket = -1
 
+    def _room(self, top: int) -> None:
+        """Arrays for ranks up to `top`."""
+        if top >= self.n:
+            self.n = top + 1
+        size = self.total.shape[0]
+        if top < size:
+            return
+        grow = max(top + 1, 2 * size)
+
+        def one(a: np.ndarray, fill: float) -> np.ndarray:
+            out = np.full((grow,) + a.shape[1:], fill, dtype=a.dtype)
+            out[:size] = a
+            return out
+        self.total, self.newest_end, self.ended = one(self.total, 0.0), one(self.newest_end, -np.inf), one(self.ended, 0)
+        self.kpos = one(self.kpos, 0)
+        kept = np.empty((grow, KEPT_INTERVALS, 2))
+        kept[:, :, 0], kept[:, :, 1] = np.inf, -np.inf
+        kept[:size] = self.kept
+        self.kept = kept
+
     def add(self, rank: int, start: float, end: float) -> None:
-        self.ended[rank] = self.ended.get(rank, 0) + 1
-        kept = self.counted.get(rank)
-        if kept is None:
-            kept = self.counted[rank] = collections.deque(maxlen=KEPT_INTERVALS)
-        newest = self.newest_end.get(rank)
+        self._room(rank)
+        self.ended[rank] += 1
+        newest = float(self.newest_end[rank])
         secs = end - start
-        if newest is not None and start < newest:  # it may overlap what this rank already counted
+        if start < newest:  # it may overlap what this rank already counted
             if end <= start:
                 return  # an empty wait adds nothing, and is not kept
             # what of [start, end] the kept intervals cover: those that overlap it, clipped to it, merged
-            inside = sorted((a if a > start else start, b if b < end else end) for a, b in kept if a < end and b > start)
+            inside = sorted((a if a > start else start, b if b < end else end)
+                            for a, b in self.kept[rank].tolist() if a < end and b > start)
             if inside:
                 covered, (lo, hi) = 0.0, inside[0]
                 for a, b in inside:
@@ -74,17 +96,53 @@ class JobBlocked:
                 if lo == start and hi == end and not covered:
                     return  # all of it counted already
                 secs -= covered + (hi - lo)
-        kept.append((start, end))
-        if newest is None or end > newest:
+        k = self.kpos[rank] % KEPT_INTERVALS
+        self.kept[rank, k, 0], self.kept[rank, k, 1] = start, end
+        self.kpos[rank] += 1
+        if end > newest:
             self.newest_end[rank] = end
-        self.total[rank] = self.total.get(rank, 0.0) + secs
+        self.total[rank] += secs
+
+    def add_many(self, ranks: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        """add() for each row, with array operations: a rank whose rows overlap nothing it counted (each
+        starts after its newest counted end and after its previous row) adds their lengths; the others
+        add what their rows add to the union of their kept intervals (_union_gain)."""
+        if not len(ranks):
+            return
+        self._room(int(ranks.max()))
+        order = np.lexsort((starts, ranks))
+        r, a, b = ranks[order], starts[order], ends[order]
+        first = np.ones(len(r), dtype=bool)
+        first[1:] = r[1:] != r[:-1]
+        prev_end = np.empty(len(r))
+        prev_end[1:] = b[:-1]
+        prev_end[first] = self.newest_end[r[first]]
+        clash = a < prev_end  # overlaps the rank's previous row, or what it counted already
+        if clash.any():
+            slow = np.isin(r, r[clash])
+            fast = ~slow
+        else:
+            slow, fast = None, slice(None)
+        fr, fa, fb = r[fast], a[fast], b[fast]
+        np.add.at(self.total, fr, fb - fa)
+        if slow is not None:
+            sr, sa, sb = r[slow], a[slow], b[slow]
+            gained = _union_gain(self.kept, sr, sa, sb)
+            np.add.at(self.total, gained[0], gained[1])
+        np.add.at(self.ended, r, 1)
+        np.maximum.at(self.newest_end, r, b)
+        starts_at = np.flatnonzero(first)
+        nth = np.arange(len(r)) - np.repeat(starts_at, np.diff(np.append(starts_at, len(r))))
+        pos = (self.kpos[r] + nth) % KEPT_INTERVALS
+        self.kept[r, pos, 0], self.kept[r, pos, 1] = a, b
+        np.add.at(self.kpos, r, 1)
 
     def snapshot(self, now: float) -> None:
         """Record every rank's total as of `now` in its bucket (the detector calls it every tick)."""
         b = int(now // BUCKET_S)
         if b < self.last_bucket:
             return  # time went back (a replay's first tick after a gap): keep what is recorded
-        n = max(self.total, default=-1) + 1
+        n = self.n
         if n > len(self.rows):
             size = max(n, 2 * len(self.rows), 8)
             grown = np.zeros((size, SERIES_BUCKETS))
@@ -94,12 +152,8 @@ class JobBlocked:
             self.rows, self.end_rows = grown, grown_ends
         cur = np.zeros(len(self.rows))
         cur_ends = np.zeros(len(self.rows), dtype=np.uint32)
-        if self.total:
-            cur[np.fromiter(self.total.keys(), dtype=np.int64, count=len(self.total))] = \
-                np.fromiter(self.total.values(), dtype=np.float64, count=len(self.total))
-        if self.ended:
-            cur_ends[np.fromiter(self.ended.keys(), dtype=np.int64, count=len(self.ended))] = \
-                np.fromiter((n & 0xFFFFFFFF for n in self.ended.values()), dtype=np.uint32, count=len(self.ended))
+        cur[:n] = self.total[:n]
+        cur_ends[:n] = (self.ended[:n] & 0xFFFFFFFF).astype(np.uint32)
         if self.first_bucket is None:
             self.first_bucket = b
         elif b > self.last_bucket + 1:  # buckets without a tick: nothing was seen to end in them
@@ -133,6 +187,39 @@ class JobBlocked:
         return self.end_rows[:, bucket % SERIES_BUCKETS] - self.end_rows[:, (bucket - 1) % SERIES_BUCKETS]
 
 
+def _union_gain(kept: np.ndarray, r: np.ndarray, a: np.ndarray, b: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(ranks, seconds): how much rows [a, b) of ranks r (sorted by rank) add to the union of each
+    rank's kept intervals: |union(kept, rows)| - |union(kept)|, measured from the rows' earliest start
+    on (what lies before it is in both). Groups of one rank are laid end to end on one axis (rank k at
+    k x span) so that one sort and one running maximum measure every union."""
+    ranks, at = np.unique(r, return_inverse=True)
+    lo = float(a.min())
+    old = kept[ranks]                                     # [m, KEPT, 2]
+    ka = np.maximum(old[:, :, 0], lo).ravel()
+    kb = old[:, :, 1].ravel()
+    kg = np.repeat(np.arange(len(ranks)), KEPT_INTERVALS)
+    live = kb > ka
+    ka, kb, kg = ka[live], kb[live], kg[live]
+    na, nb = np.maximum(a, lo), b
+    span = max(float(nb.max()), float(kb.max()) if len(kb) else lo) - lo + 1.0
+
+    def union(g: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(ranks))
+        if not len(g):
+            return out
+        xs, ys = x - lo + g * span, y - lo + g * span
+        order = np.argsort(xs, kind="stable")
+        xs, ys, gs = xs[order], ys[order], g[order]
+        reach = np.maximum.accumulate(ys)
+        before = np.empty(len(xs))
+        before[0] = -np.inf
+        before[1:] = reach[:-1]
+        np.add.at(out, gs, np.maximum(0.0, ys - np.maximum(xs, before)))
+        return out
+    with_rows = union(np.concatenate([kg, at]), np.concatenate([ka, na]), np.concatenate([kb, nb]))
+    return ranks, with_rows - union(kg, ka, kb)
+
+
 class BlockedTable:
     def __init__(self, anomalies: collections.Counter):
         self.anomalies = anomalies
@@ -144,13 +231,32 @@ class BlockedTable:
         if not 0 <= end - start <= MAX_INTERVAL_S or rank >= MAX_RANKS_PER_JOB:
             self.anomalies["blocked-interval-dropped"] += 1
             return
+        got = self._job(job)
+        if got is not None:
+            got.add(rank, start, end)
+
+    def _job(self, job: str) -> Optional[JobBlocked]:
         got = self.jobs.get(job)
         if got is None:
             if len(self.jobs) >= MAX_JOBS:
                 self.anomalies["blocked-jobs-over-bound"] += 1
-                return
+                return None
             got = self.jobs[job] = JobBlocked()
-        got.add(rank, start, end)
+        return got
+
+    def add_many(self, job: str, ranks: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        """add() for each row (starts NaN where the rank's enter is not known: skipped, as add skips None)."""
+        ok = ~np.isnan(starts) & (ranks >= 0)
+        if not ok.all():
+            ranks, starts, ends = ranks[ok], starts[ok], ends[ok]
+        span = ends - starts
+        good = (span >= 0) & (span <= MAX_INTERVAL_S) & (ranks < MAX_RANKS_PER_JOB)
+        if not good.all():
+            self.anomalies["blocked-interval-dropped"] += int((~good).sum())
+            ranks, starts, ends = ranks[good], starts[good], ends[good]
+        got = self._job(job) if len(ranks) else None
+        if got is not None:
+            got.add_many(ranks, starts, ends)
 
     def bucket(self, t: float) -> int:
         return int(t // BUCKET_S)

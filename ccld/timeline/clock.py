@@ -20,7 +20,7 @@ better estimate does not move events already in the timeline.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ccld import wire as ev
 from ccld.errors import CcldError
@@ -111,18 +111,31 @@ class ClockTable:
         if self.refiner is not None and e.ok and agent in self._c:
             self.refiner.observe_end(agent, e.comm, e.seq, e.ts_ns)
 
-    def observe_ends(self, agent: str, comm: str, seq: int, mono_ns: List[int]) -> None:
-        """Several ranks' successful ends of one collective on one agent's node (a column block).
-        The base conversion is _base's arithmetic with the agent's constants read once."""
+    def params(self, agent: str) -> Tuple[int, int, int, int]:
+        """(add, ref, drift_ppb, corr): agent's conversion as numbers, for converting many times at
+        once: base = mono + add + floor(drift_ppb x (mono - ref) / 1e9), Unix ns = base + corr.
+        Raises NoClockSample before its first sample."""
         c = self._c.get(agent)
-        if self.refiner is not None and c is not None:
-            s = c.sync
-            if s is None:
-                base = [m + c.wall_offset for m in mono_ns]
-            else:
-                add, ref, drift = s.offset_ns, s.ref_ns, s.drift_ppb
-                base = [m + add + (drift * (m - ref)) // 1_000_000_000 for m in mono_ns]
-            self.refiner.observe_ends(agent, comm, seq, base)
+        if c is None:
+            raise NoClockSample(f"agent {agent!r} has sent no clock sample yet")
+        s = c.sync
+        if s is None:
+            return c.wall_offset, 0, 0, c.corr
+        return s.offset_ns, s.ref_ns, s.drift_ppb, c.corr
+
+    def base_many(self, agent: str, mono_ns: List[int]) -> Optional[List[int]]:
+        """Each of `mono_ns` in `agent`'s base timebase (Unix ns by its round trips or wall clock, without
+        the refinement's correction), for the refinement's synchronization points (WorkEnds); None when
+        there is no refinement or no clock for that agent yet."""
+        c = self._c.get(agent)
+        if self.refiner is None or c is None:
+            return None
+        s = c.sync
+        if s is None:
+            add = c.wall_offset
+            return [m + add for m in mono_ns]
+        add, ref, drift = s.offset_ns, s.ref_ns, s.drift_ppb
+        return [m + add + (drift * (m - ref)) // 1_000_000_000 for m in mono_ns]
 
     # ---- conversion -------------------------------------------------------------------------------
     def has(self, agent: str) -> bool:

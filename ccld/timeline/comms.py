@@ -1,9 +1,9 @@
-"""A rank's communicator events applied to the timeline one event at a time: CommInit, CollEnter,
-WorkStart and WorkEnd joined into collectives by (communicator, seq), P2P and P2PEnd into each
-communicator's point-to-point table, and the RankState and RankExit that come in the same family
-(timeline.py's _RANK_EVENTS). Functions of the Timeline (`tl`), which dispatches each event here;
-its fast path for column blocks (colblocks.py) applies a run of rows at a time with coll_view and
-maybe_completed from here.
+"""A rank's communicator events applied to the timeline: CommInit, P2P and P2PEnd (into each
+communicator's point-to-point table), and the RankState and RankExit that come in the same family
+(timeline.py's _RANK_EVENTS), one event at a time; and what collrows.py, which applies every
+CollEnter, WorkStart and WorkEnd as rows, asks of a communicator: the collective (comm, seq) made or
+found (coll_view), the communicator of a batch of rows (comm_for_rows), completion (completed).
+Functions of the Timeline (`tl`), which dispatches each event here.
 
 Times: Unix seconds, converted by the caller. Bounds: the last MAX_COLLS_PER_COMM collectives per
 communicator (fewer for big groups, so that one communicator holds at most ~MAX_RANK_ENTRIES_PER_COMM
@@ -15,7 +15,10 @@ retired pid are dropped as stale.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional
+import sys
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import numpy as np
 
 from ccld import wire as ev
 from ccld.timeline.align import per_process
@@ -99,25 +102,6 @@ def rank_event(tl: Timeline, agent: str, node: str, e: ev.Event, t: float) -> No
             comm.group_of[rank] = e.group_rank
             comm.global_by_group[e.group_rank] = rank
             _p2p_of(tl, comm).exact.add(rank)
-    elif isinstance(e, ev.CollEnter):
-        _enter(tl, comm, rank, e, t)
-    elif isinstance(e, (ev.WorkStart, ev.WorkEnd)):
-        view = coll_view(tl, comm, e.seq, "", create=True)
-        if view is None:
-            return
-        if rank not in view.enter:
-            tl.anomalies["start-without-enter" if isinstance(e, ev.WorkStart) else "end-without-enter"] += 1
-        if isinstance(e, ev.WorkStart):
-            view.start.setdefault(rank, t)
-        elif rank in view.end:
-            tl.anomalies["duplicate-end"] += 1
-        else:
-            view.end[rank] = t
-            tl.blocked.add(comm.job, rank, view.enter.get(rank), t)
-            if not e.ok:
-                view.failed[rank] = e.error or "failed"
-            tl.end_counts[(rank, view.ops.get(rank) or view.op or "unknown")] += 1
-            maybe_completed(tl, comm, view)
 
 
 def _p2p_of(tl: Timeline, comm: Comm) -> CommP2P:
@@ -155,68 +139,104 @@ def _comm_of(tl: Timeline, cid: str, rec: Optional[RankRecord], rank: int, node:
     if prev is not None and prev != (node, pid):
         # The rank was restarted and rebuilt this group: sequence numbers start over.
         tl.anomalies["comm-reset"] += 1
+        if comm.cols is not None:
+            tl.store.drop_comm(comm.cols)
         comm = tl.comms[cid] = Comm(id=cid, job=comm.job, backend=comm.backend, resets=comm.resets + 1,
                                     retired=comm.retired | set(comm.pids.values()))
     comm.pids[rank] = (node, pid)
+    tl.store.cell(comm.attach(tl.store), rank, tl.node_code(node), pid, rec)
+    return comm
+
+
+def comm_for_rows(tl: Timeline, cid: str) -> Optional[Comm]:
+    """Communicator `cid` of collective rows (made when new), or None when over the bound (the caller
+    counts its rows)."""
+    comm = tl.comms.get(cid)
+    if comm is None:
+        if len(tl.comms) >= MAX_COMMS:
+            return None
+        comm = tl.comms[cid] = Comm(id=cid)
     return comm
 
 
 def coll_view(tl: Timeline, comm: Comm, seq: int, op: str, create: bool) -> Optional[CollView]:
-    """Collective `seq` of `comm`; made when `create` (evicting the oldest past the bound), unless it was
-    evicted already: then None, counted."""
+    """Collective `seq` of `comm`; made when `create`, unless it was evicted already: then None, counted."""
     view = comm.colls.get(seq)
     if view is not None or not create:
         return view
-    if seq <= comm.evicted_upto:
-        tl.anomalies["late-event"] += 1  # its collective already fell out of the bound
-        return None
-    view = comm.colls[seq] = CollView(comm=comm.id, seq=seq, op=op)
+    return new_views(tl, [(comm, seq, op)])[0]
+
+
+def new_views(tl: Timeline, made: List[Tuple[Comm, int, str]]) -> List[Optional[CollView]]:
+    """coll_view(create=True) for each (comm, seq, op) of `made` (collectives not held yet), their slots
+    taken together: None for those evicted already (counted)."""
+    out: List[Optional[CollView]] = [None] * len(made)
+    fresh = [i for i, (c, seq, _) in enumerate(made) if seq > c.evicted_upto]
+    if len(fresh) < len(made):
+        tl.anomalies["late-event"] += len(made) - len(fresh)
+    if not fresh:
+        return out
+    st = tl.store
+    owners = [made[i][0].attach(st) for i in fresh]
+    for i, cols, slot in zip(fresh, owners, st.take_slots(owners)):
+        comm, seq, op = made[i]
+        out[i] = comm.colls[seq] = CollView(comm.id, seq, op, st, cols, slot)
+    return out
+
+
+def evict(tl: Timeline, comm: Comm) -> None:
+    """Past the bound, the oldest collectives made go (collrows.py asks at the end of each flush: rows
+    of one flush all reach their collectives first, as they did applied one event at a time)."""
     keep = min(MAX_COLLS_PER_COMM, max(MIN_COLLS_PER_COMM, MAX_RANK_ENTRIES_PER_COMM // max(1, len(comm.members))))
     while len(comm.colls) > keep:
-        old, _ = comm.colls.popitem(last=False)
+        old, gone = comm.colls.popitem(last=False)
+        if sys.getrefcount(gone) > 2:  # an analysis still holds it (this name and the call hold two)
+            gone.freeze()
+        tl.store.release(gone._cols, gone._slot)
         comm.evicted_upto = max(comm.evicted_upto, old)
-    return view
 
 
-def _enter(tl: Timeline, comm: Comm, rank: int, e: ev.CollEnter, t: float) -> None:
-    comm.members.add(rank)
-    if not comm.backend:
-        comm.backend = e.backend
-    view = coll_view(tl, comm, e.seq, e.op, create=True)
-    if view is None:
-        return
-    if rank in view.enter:
-        tl.anomalies["duplicate-enter"] += 1
-        return
-    if not view.op:
-        view.op = e.op
-    view.enter[rank] = t
-    view.ops[rank] = e.op
-    if e.count >= 0 or e.dtype or e.nbytes >= 0:  # NCCL probes say count and dtype; gloo's the bytes
-        view.sizes[rank] = (e.count, e.dtype, e.nbytes)
-    tl.enter_counts[(rank, e.op)] += 1
-    last = comm.last_entered.get(rank)
-    if last is None or e.seq >= last[0]:
-        comm.last_entered[rank] = (e.seq, e.op, t)
-    comm.max_seq = max(comm.max_seq, e.seq)
-
-
-def maybe_completed(tl: Timeline, comm: Comm, view: CollView) -> None:
-    """Marks `view` completed once every expected member has entered and ended it; keeps the peaks."""
-    if view.completed_at is not None:
-        return
+def expected_entries(tl: Timeline, comm: Comm) -> Optional[np.ndarray]:
+    """Columns of the communicator's expected members, or None while one of them has none (it never
+    reported: nothing can be complete)."""
     expected = tl.expected_members(comm.id)
-    if not expected or len(view.end) < len(expected):  # cheap test first: most ends are not the last
-        return
-    if not expected.issubset(view.enter.keys()) or not expected.issubset(view.end.keys()):
-        return
-    view.completed_at = max(map(view.end.__getitem__, expected))
+    cols = comm.attach(tl.store)
+    key = (comm.expected_key, cols.ncols)
+    if comm.expected_cols[0] != key:
+        got = [cols.col_of.get(r, -1) for r in expected]
+        comm.expected_cols = (key, None if -1 in got else np.array(got, dtype=np.int64))
+    return comm.expected_cols[1]
+
+
+def completed(tl: Timeline, comm: Comm, view: Optional[CollView]) -> Optional[float]:
+    """Marks `view` completed once every expected member has entered and ended it (its completion
+    time, else None); keeps the peaks."""
+    if view is None or view.completed_at is not None:
+        return None
+    if not tl.expected_members(comm.id):
+        return None
+    cols = expected_entries(tl, comm)
+    if cols is None:
+        return None
+    st = tl.store
+    base = int(st.base[view._slot])
+    ends = st.end[base + cols]
+    if np.isnan(ends).any() or np.isnan(st.enter[base + cols]).any():
+        return None
+    enters = st.enter[base:base + comm.attach(st).ncols]
+    at = float(ends.max())
+    done_at(comm, view, at, float(np.nanmax(enters) - np.nanmin(enters)), max(0.0, at - float(np.nanmax(enters))))
+    return at
+
+
+def done_at(comm: Comm, view: CollView, at: float, spread: float, duration: float) -> None:
+    """Collective `view` completed at `at` (its members' enters `spread` s apart, `duration` s from the
+    last enter to the last end): counted, and its peaks kept."""
+    view.completed_at = at
     comm.completed += 1
     if comm.first_done_at is None:
-        comm.first_done_at = view.completed_at
-    spread = view.last_enter() - view.first_enter()
-    duration = max(0.0, view.completed_at - view.last_enter())
-    bucket = int(view.completed_at // PEAK_BUCKET_S)
+        comm.first_done_at = at
+    bucket = int(at // PEAK_BUCKET_S)
     s, d = comm.peaks.get(bucket, (0.0, 0.0))
     comm.peaks[bucket] = (max(s, spread), max(d, duration))
     while len(comm.peaks) > PEAK_BUCKETS:

@@ -72,7 +72,7 @@ class GpuJoin:
     def note_capture(self, node: str, pid: int) -> None:
         """(node, pid) has CUPTI capture: a cupti ProbeStatus (the shim says so as the rank starts) or a
         GPU record came from it. Only such ranks' NCCL enters are kept for the join (as the export
-        does), so a job without CUPTI pays nothing for it and the timeline takes its fast path."""
+        does), so a job without CUPTI pays nothing for it: its enters stay rows of their blocks."""
         if len(self.capture) < MAX_PROCS:
             self.capture.add((node, pid))
         elif (node, pid) not in self.capture:

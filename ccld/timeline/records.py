@@ -1,6 +1,7 @@
 """The timeline's records: a training process (RankRecord), a communicator (Comm) and one collective as
-every rank reported it (CollView). Written by the Timeline (timeline.py; comms.py and colblocks.py apply
-the communicator events) and read by every analysis.
+every rank reported it (CollView, a view of the timeline's arrays: colltable.py). Written by the
+Timeline (timeline.py; comms.py and collrows.py apply the communicator events) and read by every
+analysis.
 
 Times: Unix seconds (float), as everywhere in the timeline. Ranks are global ranks unless named group
 ranks. Bounds: a RankRecord keeps its last RUNQ_HISTORY scheduler reports; how many collectives a Comm
@@ -12,7 +13,11 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 
+from ccld.timeline.colltable import CollStore, CommCols
+from ccld.timeline.collview import CollView
 from ccld.timeline.p2p import CommP2P
+
+__all__ = ["RankRecord", "Comm", "CollView"]
 
 RUNQ_HISTORY = 128            # scheduler reports kept per rank (every 0.5 s: a minute)
 RUNQ_MIN_SPAN_S = 2.0         # a runqueue share over a span needs at least this much of it
@@ -38,7 +43,7 @@ class RankRecord:
     exit_exact: bool = False  # exited_at is the kernel's time of the exit, not the agent's next scan
     exit_signal: int = 0      # the fatal signal it was sent (0: none seen)
     stopped_by_launcher: bool = False  # that signal came from its launcher (a restart, a cancelled job)
-    last_event_at: Optional[float] = None
+    seen_at: Optional[float] = None   # its newest event but collective rows (those: its columns' seen_at)
     last_p2p: Optional[Tuple[str, int, float]] = None  # (op, peer, at)
     # Scheduler (SchedStats, cumulative ns): waiting for a CPU while runnable, and off CPU while blocked.
     runq_ns: int = -1
@@ -48,6 +53,21 @@ class RankRecord:
     runq_share: Optional[float] = None  # runqueue seconds per second between the last two reports
     sched_at: Optional[float] = None
     runq_hist: Deque[Tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=RUNQ_HISTORY))
+    cells: List[Tuple[CollStore, int]] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def last_event_at(self) -> Optional[float]:
+        """Its newest event's time: the newest of seen_at and of its collective rows (colltable.py's cells)."""
+        t = self.seen_at
+        for store, cell in self.cells:
+            c = float(store.seen_at[cell])
+            if c != float("-inf") and (t is None or c > t):
+                t = c
+        return t
+
+    def watch(self, store: CollStore, cell: int) -> None:
+        """Cell `cell` of `store` holds this process's collective rows in one communicator."""
+        self.cells.append((store, cell))
 
     def runq_since(self, since: float) -> Optional[float]:
         """Runqueue seconds per second from the first report at or after `since` to the latest (the
@@ -60,36 +80,13 @@ class RankRecord:
 
     def saw(self, t: float) -> None:
         """An event of this process at `t`: keeps the newest (frames can arrive out of order)."""
-        self.last_event_at = t if self.last_event_at is None else max(self.last_event_at, t)
+        self.seen_at = t if self.seen_at is None else max(self.seen_at, t)
 
     def stopped(self) -> bool:
         return self.state in ("T", "t")
 
     def exited(self) -> bool:
         return self.exited_at is not None or self.state in ("Z", "X")
-
-
-@dataclass
-class CollView:
-    """One collective (comm, seq) as seen by every rank that reported it."""
-    comm: str
-    seq: int
-    op: str
-    enter: Dict[int, float] = field(default_factory=dict)   # global rank -> Unix s
-    start: Dict[int, float] = field(default_factory=dict)
-    end: Dict[int, float] = field(default_factory=dict)
-    ops: Dict[int, str] = field(default_factory=dict)       # global rank -> op it called
-    failed: Dict[int, str] = field(default_factory=dict)    # global rank -> library error
-    sizes: Dict[int, Tuple[int, str, int]] = field(default_factory=dict)  # rank -> (count, dtype, nbytes) where known
-    gpu_start: Dict[int, float] = field(default_factory=dict)  # rank -> Unix s its NCCL kernel began (gpu.py)
-    gpu_end: Dict[int, float] = field(default_factory=dict)
-    completed_at: Optional[float] = None
-
-    def first_enter(self) -> Optional[float]:
-        return min(self.enter.values()) if self.enter else None
-
-    def last_enter(self) -> Optional[float]:
-        return max(self.enter.values()) if self.enter else None
 
 
 @dataclass
@@ -103,9 +100,10 @@ class Comm:
     pids: Dict[int, Tuple[str, int]] = field(default_factory=dict)  # global rank -> (node, pid)
     retired: Set[Tuple[str, int]] = field(default_factory=set)      # (node, pid)s replaced by a restart
     colls: "collections.OrderedDict[int, CollView]" = field(default_factory=collections.OrderedDict)
+    store: Optional[CollStore] = field(default=None, repr=False, compare=False)  # what colls' views show ...
+    cols: Optional[CommCols] = field(default=None, repr=False, compare=False)    # ... and its columns there
     max_seq: int = -1
     evicted_upto: int = -1     # seqs at or below this fell out of the bound; late events for them are dropped
-    last_entered: Dict[int, Tuple[int, str, float]] = field(default_factory=dict)  # rank -> (seq, op, at)
     # bucket index -> (max arrival spread s, max duration s) of collectives completed in that bucket
     peaks: Dict[int, Tuple[float, float]] = field(default_factory=dict)
     completed: int = 0
@@ -123,3 +121,21 @@ class Comm:
     # (named by its handle, seen after the attach) and one joined from such by align.py
     members_only: bool = False
     alignment: Optional[Dict[str, Any]] = None  # align.py's joined communicator: how (findings' evidence)
+    expected_cols: Tuple[Any, Any] = ((), None)  # (key, columns of the expected members or None): a cache
+    _last: Tuple[int, Dict[int, Tuple[int, str, float]]] = (-1, {})
+
+    @property
+    def last_entered(self) -> Dict[int, Tuple[int, str, float]]:
+        """rank -> (seq, op, at) of the newest collective it entered (a snapshot; made once per change)."""
+        st = self.store
+        if st is None or self.cols is None:
+            return {}
+        if self._last[0] != st.last_version:
+            self._last = (st.last_version, st.last_entered(self.cols))
+        return self._last[1]
+
+    def attach(self, store: CollStore) -> CommCols:
+        """Its columns in `store` (made the first time)."""
+        if self.cols is None:
+            self.store, self.cols = store, store.new_comm()
+        return self.cols

@@ -12,21 +12,23 @@ is counted in `anomalies`, never fatal. Not thread-safe: the caller serialises i
 Caveat: a communicator whose group size is unknown (attached after init) is assumed to span its
 job's whole world, except an NCCL one named by one process's handle: align.py joins those across
 ranks, by their op streams and enter times, and rewrites their events at ingest.
-Here: a batch's ingest, each event dispatched by kind, and the questions the analyses ask. The records
-are records.py's; communicator events are applied by comms.py one at a time, and by colblocks.py a run
-of a column block at a time (the fast path).
+Here: the ingest of one or several frames, each event dispatched by kind, and the questions the
+analyses ask. The records are records.py's; every collective enter, start and end (a column block's
+rows, or one event) is gathered and applied as rows by collrows.py, the other communicator events one
+at a time by comms.py.
 """
 from __future__ import annotations
 
 import bisect
 import collections
-from typing import Any, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
 from ccld import wire as ev
 from ccld.timeline.align import Aligner
 from ccld.timeline.blocked import BlockedTable
 from ccld.timeline.clock import ClockTable
-from ccld.timeline.colblocks import run_of, saw_rows
+from ccld.timeline.collrows import Rows
+from ccld.timeline.colltable import CollStore
 from ccld.timeline.comms import MAX_COMMS, PEAK_BUCKET_S, PEAK_BUCKETS, rank_event
 from ccld.timeline.compute import ComputeTable
 from ccld.timeline.gpu import GPU_EVENTS, GpuJoin
@@ -35,17 +37,22 @@ from ccld.timeline.netprog import ProgressTable
 from ccld.timeline.p2p import P2POp
 from ccld.timeline.rdma import RdmaTable
 from ccld.timeline.records import Comm, RankRecord
-from ccld.wire.blocks import Block, in_order
+from ccld.wire.blocks import ANNOUNCE_KINDS, Block
 
 MAX_RANKS = 100_000           # processes per collector
 MAX_WORLD_SIZE = 1 << 17      # 131,072 ranks: above the largest jobs run today; a bigger value is a corrupt event
 SMALL_WORLD = 64              # a world this small is believed before its ranks are announced (tests, small jobs)
+FLUSH_ROWS = 16_384           # collective rows gathered before they are applied, at most (and one frame's)
 MAX_PENDING_NO_CLOCK = 100_000  # events held until their agent's first clock sample (sent every batch)
 LAG_MIN_SCANS = 3             # an agent's RankStates are its data horizon once they came from this many scans
 LAG_PERIODS = 3.0             # ... and it is lagging when none came for this many of its scan periods
 
-_RANK_EVENTS = (ev.RankState, ev.RankExit, ev.CommInit, ev.CollEnter, ev.WorkStart, ev.WorkEnd, ev.P2P,
-                ev.P2PEnd)  # applied by comms.rank_event
+_RANK_EVENTS = (ev.RankState, ev.RankExit, ev.CommInit, ev.P2P, ev.P2PEnd)  # applied by comms.rank_event
+ROW_KINDS = frozenset({"coll", "start", "end"})  # gathered as rows (collrows.py)
+# Kinds that cannot change how gathered rows apply (who is which rank, which communicator, a kernel
+# joined to a collective): the others flush the rows gathered before them.
+NEUTRAL = frozenset({"clock", "clock_sync", "proc", "link", "sched", "loss", "net_progress", "compute",
+                     "qp", "nic", "probe", "hello", "rank_exit"})
 
 
 class Timeline:
@@ -70,9 +77,11 @@ class Timeline:
         self.compute = ComputeTable(self.anomalies)  # per rank, each run of each compute op (tables, traces)
         self.align = Aligner(self, Comm, MAX_COMMS)  # NCCL communicators seen after the attach, joined across ranks
         # Exact per-(global rank, op) counts, for tests and sanity checks (all jobs together).
-        self.enter_counts: collections.Counter = collections.Counter()
-        self.end_counts: collections.Counter = collections.Counter()
+        self.store = CollStore()  # every communicator's collectives as arrays (colltable.py)
         self.p2p_counts: collections.Counter = collections.Counter()
+        self.rows = Rows(self)
+        self._node_codes: Dict[str, int] = {}
+        self._node_names: List[str] = []
         self._pending: Dict[str, Deque[Tuple[str, ev.Event]]] = {}
         self.last_recv: Optional[float] = None
         self._recv_prev: Optional[float] = None  # the last frame's receive time, and the forward-only sum
@@ -81,6 +90,20 @@ class Timeline:
     # ---- ingest ---------------------------------------------------------------------------------
 
     def ingest(self, batch: ev.Batch, recv_unix: float) -> None:
+        """One frame."""
+        self.ingest_many([(batch, recv_unix)])
+
+    def ingest_many(self, frames: List[Tuple[ev.Batch, float]]) -> None:
+        """Frames in the order they arrived, their collective rows applied together (collrows.py)."""
+        for batch, recv_unix in frames:
+            self._frame(batch, recv_unix)
+            if self.rows.n >= FLUSH_ROWS:
+                self.rows.flush()  # between frames: a frame's enters and ends apply together
+        self.rows.flush()
+        if self.align.waiting:
+            self.align.tick(self._recv_s)
+
+    def _frame(self, batch: ev.Batch, recv_unix: float) -> None:
         agent = batch.agent
         info = self.agents.setdefault(agent, {"node": batch.node, "last_batch": 0, "frames": 0})
         prev = info.get("last_recv")
@@ -105,48 +128,42 @@ class Timeline:
             self._recv_s += recv_unix - self._recv_prev
         self._recv_prev = recv_unix
         self.clock.arrived(self._recv_s)
-        prepared: Dict[Block, Any] = {}
         plain, blocks = batch.plain, batch.blocks
         if batch.node in self.align.nodes:  # its NCCL calls seen after the attach are aligned (align.py)
             plain, blocks = self.align.rewrite(plain, blocks)
-        for e in in_order(plain, blocks):
-            if type(e) is tuple:  # a run of a column block: rows i:j, all of one collective
-                run_of(self, agent, batch.node, prepared, *e)
-                continue
-            self.events_by_kind[e.KIND] += 1
-            if isinstance(e, (ev.ClockSample, ev.ClockSync)):
-                if self.clock.update_event(agent, e):
-                    self._drain_pending(agent)
-                else:
-                    self.anomalies["bad-clock-sample"] += 1
-            elif self.clock.has(agent):
-                self._apply(agent, batch.node, e)
+        for e in _in_order(plain, blocks):
+            if type(e) is Block:
+                self._block(agent, batch.node, e)
             else:
-                q = self._pending.setdefault(agent, collections.deque())
-                if len(q) >= MAX_PENDING_NO_CLOCK:
-                    self.anomalies["no-clock-dropped"] += 1
-                else:
-                    q.append((batch.node, e))
-        for b, prep in prepared.items():
-            if prep is not False:
-                saw_rows(b, prep)
-        if self.align.waiting:
-            self.align.tick(self._recv_s)
+                self._event(agent, batch.node, e)
 
-    def _rows(self, agent: str, node: str, rows: list, count: bool = True) -> None:
-        """Rows of a column block one event at a time (colblocks.run_of's careful path), as ingest takes
-        a plain event: applied, or held until the agent's first clock sample."""
-        for e in rows:
-            if count:
-                self.events_by_kind[e.KIND] += 1
-            if self.clock.has(agent):
-                self._apply(agent, node, e)
+    def _event(self, agent: str, node: str, e: ev.Event) -> None:
+        self.events_by_kind[e.KIND] += 1
+        if isinstance(e, (ev.ClockSample, ev.ClockSync)):
+            if self.clock.update_event(agent, e):
+                self._drain_pending(agent)
             else:
-                q = self._pending.setdefault(agent, collections.deque())
-                if len(q) >= MAX_PENDING_NO_CLOCK:
-                    self.anomalies["no-clock-dropped"] += 1
-                else:
-                    q.append((node, e))
+                self.anomalies["bad-clock-sample"] += 1
+        elif self.clock.has(agent):
+            self._apply(agent, node, e)
+        else:
+            self._hold(agent, node, e)
+
+    def _hold(self, agent: str, node: str, e: ev.Event) -> None:
+        """An event held until its agent's first clock sample."""
+        q = self._pending.setdefault(agent, collections.deque())
+        if len(q) >= MAX_PENDING_NO_CLOCK:
+            self.anomalies["no-clock-dropped"] += 1
+        else:
+            q.append((node, e))
+
+    def _block(self, agent: str, node: str, b: Block) -> None:
+        self.events_by_kind[b.kind] += b.n
+        if self.clock.has(agent):
+            self.rows.block(agent, node, b)
+        else:
+            for e in b.rows():
+                self._hold(agent, node, e)
 
     def _drain_pending(self, agent: str) -> None:
         q = self._pending.pop(agent, None)
@@ -155,6 +172,12 @@ class Timeline:
             self._apply(agent, node, e)
 
     def _apply(self, agent: str, node: str, e: ev.Event) -> None:
+        kind = e.KIND
+        if kind in ROW_KINDS:
+            self.rows.event(agent, node, e)
+            return
+        if kind not in NEUTRAL and self.rows.n:
+            self.rows.flush()  # it may say who is who: the rows before it apply first
         t = self.clock.to_unix(agent, e.ts_ns) if isinstance(getattr(e, "ts_ns", None), int) else None
         if isinstance(e, ev.AgentHello):
             self.agents[agent].update(hello_at=t, agent_pid=e.pid, version=e.version, sources=list(e.sources))
@@ -179,10 +202,6 @@ class Timeline:
             self.rdma.update(node, rec.job if rec else "", e, t)
         elif isinstance(e, _RANK_EVENTS):
             rank_event(self, agent, node, e, t)
-            if isinstance(e, ev.CollEnter):
-                self.gpu.on_enter(node, e)
-            elif isinstance(e, ev.WorkEnd):
-                self.clock.observe_end(agent, e)  # ranks leave a collective together: aligns the nodes' clocks
         elif isinstance(e, ev.NetProgress):
             self._net_progress(agent, node, e)
         elif isinstance(e, ev.ComputeSpan):
@@ -247,6 +266,32 @@ class Timeline:
         rec.saw(t)
 
     # ---- questions ------------------------------------------------------------------------------
+
+    def node_code(self, node: str) -> int:
+        code = self._node_codes.get(node)
+        if code is None:
+            code = self._node_codes[node] = len(self._node_names)
+            self._node_names.append(node)
+        return code
+
+    def node_name(self, code: int) -> str:
+        return self._node_names[code]
+
+    @property
+    def enter_counts(self) -> collections.Counter:
+        """(global rank, op) -> collectives entered, all jobs together (tests and sanity checks)."""
+        return self._counts("enter")
+
+    @property
+    def end_counts(self) -> collections.Counter:
+        """(global rank, op) -> collectives ended."""
+        return self._counts("end")
+
+    def _counts(self, which: str) -> collections.Counter:
+        out: collections.Counter = collections.Counter()
+        for key, n in self.store.op_counts(which):  # a rank has a cell per communicator it is in
+            out[key] += n
+        return out
 
     def expected_members(self, comm_id: str) -> FrozenSet[int]:
         """Global ranks that must take part in every collective of `comm_id`.
@@ -378,3 +423,23 @@ class Timeline:
                 "pending_no_clock": sum(len(q) for q in self._pending.values()),
                 "agents": len(self.agents), "ranks": len(self.ranks), "comms": len(self.comms),
                 "gpu": self.gpu.counters(), "nccl_alignment": self.align.counters()}
+
+
+def _in_order(plain: List[Any], blocks: List[Block]) -> Iterator[Any]:
+    """A frame's events and whole blocks in the order to apply them: the plain events before the first
+    block, the announcements among the rest (ANNOUNCE_KINDS: a subgroup built mid-frame must be known
+    before its first collective's rows), the blocks, then the other plain events. A block's rows are
+    applied with the rest of the ingest's rows (collrows.py), enters before starts before ends."""
+    if not blocks:
+        yield from plain
+        return
+    at = min(b.at for b in blocks)
+    yield from plain[:at]
+    later = []
+    for e in plain[at:]:
+        if e.KIND in ANNOUNCE_KINDS:
+            yield e
+        else:
+            later.append(e)
+    yield from blocks
+    yield from later

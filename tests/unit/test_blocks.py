@@ -1,5 +1,6 @@
-"""Column blocks (ccld/wire/blocks.py): the wire shape, its validation, and that the timeline's fast path for
-them leaves exactly the state the event-by-event path leaves, on random jobs with every oddity."""
+"""Column blocks (ccld/wire/blocks.py): the wire shape, its validation, and that the timeline leaves exactly
+the same state whether a frame's collective events came as column blocks or as one map each, and whether
+frames came one ingest at a time or several together, on random jobs with every oddity."""
 from __future__ import annotations
 
 import random
@@ -128,7 +129,7 @@ def test_unsorted_rows_are_read_in_seq_order():
     assert b.cols["pid"] == [2, 1, 3]
 
 
-# ---- the timeline: fast path == event-by-event path ---------------------------------------------
+# ---- the timeline: blocks == maps, frames together == one at a time ---------------------------
 
 def snapshot(tl: Timeline):
     comms = {}
@@ -205,8 +206,8 @@ def random_job(rnd: random.Random):
 
 
 def feed(frames, fast: bool) -> Timeline:
-    """The frames as column blocks, into a timeline: through the fast path, or materialized in the same
-    order (Batch.events) and applied event by event."""
+    """The frames into a timeline, one ingest each: as column blocks (fast), or their events materialized
+    in the same order (Batch.events) as one map each."""
     tl = Timeline()
     batch_no = {}
     for n, evs in frames:
@@ -219,11 +220,30 @@ def feed(frames, fast: bool) -> Timeline:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_fast_path_leaves_the_same_timeline_as_event_by_event(seed):
+def test_blocks_leave_the_same_timeline_as_maps(seed):
     frames = random_job(random.Random(seed))
     fast, slow = feed(frames, True), feed(frames, False)
     assert snapshot(fast) == snapshot(slow)
     assert sum(fast.events_by_kind.values()) == sum(len(evs) for _, evs in frames)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_frames_ingested_together_leave_the_timeline_one_at_a_time_leaves(seed):
+    """The collector applies the frames it took in one wake together (Timeline.ingest_many): their rows
+    in one pass. Frames in the order they were made (the shuffled tail of random_job left out: frames
+    out of order may end a collective before it is entered, which one pass sees in order)."""
+    rnd = random.Random(seed)
+    frames = random_job(rnd)
+    frames = frames[:len(frames) // 2]
+    one = feed(frames, True)
+    together, batch_no, group = Timeline(), {}, []
+    for k, (n, evs) in enumerate(frames):
+        batch_no[n] = batch_no.get(n, 0) + 1
+        group.append((ev.decode_batch(ev.encode_batch(f"agent-{n}", f"n{n}", batch_no[n], evs)), 1.0))
+        if rnd.random() < 0.3 or k == len(frames) - 1:
+            together.ingest_many(group)
+            group = []
+    assert snapshot(together) == snapshot(one)
 
 
 def test_a_healthy_job_reads_the_same_as_blocks_or_as_maps():
@@ -253,7 +273,7 @@ def test_a_healthy_job_reads_the_same_as_blocks_or_as_maps():
     assert states[0] == states[1]
 
 
-# ---- the fast path on what the random jobs above never make --------------------------------------
+# ---- column blocks on what the random jobs above never make ------------------------------------
 
 def job_head(world=4, node="n0", comm="j/gloo:0"):
     t = T0_NS

@@ -68,11 +68,15 @@ def test_live_collector_finds_a_hang_and_survives_garbage(tmp_path, push):
             job.enter(r, 11, t + 0.05)
         for f in job.frames(time.time()):
             sock.send(f)
+        sent_at = time.monotonic()
         assert wait_for(lambda: col.stats["frames_ok"] == 2 and col.stats["frames_rejected"])
         assert wait_for(lambda: len(lines) == 1), lines   # floor 1 s, ticks every 0.5 s
         assert lines[0].startswith("HANG not-entered ranks [2]") and "seq 11" in lines[0]
         assert [(f.cls, f.ranks, f.seq) for f in col.findings] == [("not-entered", [2], 11)]
-        # rank 2 arrives: the collective completes, the finding recovers
+        # rank 2 arrives: the collective completes, the finding recovers. Not before the replay below
+        # ticks once between the two sends (it ticks every 0.5 s of recorded time, from the first frame):
+        # the live tick may have come within milliseconds of the first frames.
+        time.sleep(max(0.0, sent_at + 0.7 - time.monotonic()))
         job.enter(2, 11, time.time())
         for r in range(4):
             job.end(r, 11, time.time())

@@ -88,14 +88,15 @@ def test_a_restarted_collector_gets_what_it_lost_and_keeps_each_frame_once(tmp_p
     # Collector 1 acknowledges nothing (the agent keeps every frame) and, after 5 frames, loses what
     # it receives, as a killed collector loses what it had not flushed.
     c1.acks.answer = lambda req: [req[1], [[a, 0] for a, _ in req[2]]]
-    kept, real = [0], c1.handle_frame
+    kept, real = [0], c1._take  # what the ingest loop does with each frame before the timeline
 
     def lossy(frame, recv):
         if kept[0] < 5:
             kept[0] += 1
-            real(frame, recv)
+            return real(frame, recv)
+        return None
 
-    c1.handle_frame = lossy
+    c1._take = lossy
     lines = []
     s = sh.Shipper(f"tcp://127.0.0.1:{port}", AGENT, "node-t", acks=f"tcp://127.0.0.1:{port + 1}",
                    say=lines.append).start()

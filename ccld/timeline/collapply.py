@@ -1,0 +1,422 @@
+"""The rows of a flush (collrows.py) applied to the CollStore (colltable.py) with array operations.
+
+Per row what comms.py once did per event: the process's rank (the row's, else its RankInfo's), stale
+processes dropped (a restarted rank's old pid), a rank new to the communicator registered, duplicates
+and ends without an enter counted, then the arrays written, blocked time added, the clock refiner
+given the successful ends, completion checked for each collective that may have completed. Anomalies
+are counted per row. A row with an int no array can hold is dropped and counted (_BOUNDS). Times: Unix
+s and the agents' base ns, converted here from each run's clock conversion (ClockTable.params, taken
+when its rows were gathered).
+Caveat: converted as gathered, a frame's ends use the clock correction of when they arrived; the
+refiner may move it when they are applied, within the same ingest (it moves every 0.5 s at most).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ccld.timeline.colltable import RANK_BITS, SEQ_BITS, SEQ_SPAN, blocks, code_of
+from ccld.timeline.comms import comm_for_rows, completed, done_at, expected_entries, new_views
+
+if TYPE_CHECKING:
+    from ccld.timeline.collrows import _Acc
+    from ccld.timeline.timeline import Timeline
+
+
+# field -> [lo, hi): what a row may carry and still be kept in int64 arrays and their keys; a row outside
+# is dropped and counted (the schema's ints are unbounded; real ones are far inside)
+_BOUNDS = {"seq": (-SEQ_SPAN, SEQ_SPAN), "rank": (-(1 << 31), 1 << RANK_BITS), "pid": (-(1 << 62), 1 << 62),
+           "ts_ns": (0, 1 << 61)}
+
+
+def _sane(tl: Timeline, a: _Acc) -> None:
+    """Drop (counting them by field: "<field>-out-of-range") the rows whose ints lie outside _BOUNDS;
+    one check per field when none does."""
+    bad: set = set()
+    for name, (lo, hi) in _BOUNDS.items():
+        values = getattr(a, name)
+        if values and (min(values) < lo or max(values) >= hi):
+            out = [i for i, v in enumerate(values) if not lo <= v < hi]
+            tl.anomalies[f"{name}-out-of-range"] += len(set(out) - bad)
+            bad.update(out)
+    ex = a.extra
+    for name in ("count", "nbytes"):
+        values = ex.get(name)
+        if values and (min(values) < -(1 << 62) or max(values) >= 1 << 62):
+            out = [i for i, v in enumerate(values) if not -(1 << 62) <= v < 1 << 62]
+            tl.anomalies[f"{name}-out-of-range"] += len(set(out) - bad)
+            bad.update(out)
+    lim = 1 << 61
+    at = 0
+    for n, clk in zip(a.counts, a.clk):  # an agent whose clock samples are absurd: its rows cannot be placed
+        if not all(-lim < x < lim for x in clk):
+            out = [i for i in range(at, at + n) if i not in bad]
+            tl.anomalies["clock-out-of-range"] += len(out)
+            bad.update(out)
+        at += n
+    if not bad:
+        return
+    keep = [i not in bad for i in range(a.n)]
+    for name in ("comm", "seq", "rank", "pid", "ts_ns", "node", "agent"):
+        setattr(a, name, [v for v, k in zip(getattr(a, name), keep) if k])
+    for name in list(ex):
+        ex[name] = [v for v, k in zip(ex[name], keep) if k]
+    runs, at = [], 0
+    for n in a.counts:  # each run of rows keeps its clock, less its dropped rows
+        runs.append(sum(keep[at:at + n]))
+        at += n
+    a.clk = [c for c, n in zip(a.clk, runs) if n]
+    a.counts = [n for n in runs if n]
+    a.events = [x for x in a.events if -(1 << 62) < x[1].seq < 1 << 62]
+    a.n = len(a.seq)
+
+
+def _codes(values: List[str], empty: Optional[int] = None) -> np.ndarray:
+    """Each value's code (colltable.code_of); `empty`, when given, for ""."""
+    table = {v: (empty if (empty is not None and not v) else code_of(v)) for v in set(values)}
+    return np.array(list(map(table.__getitem__, values)), dtype=np.int64)
+
+
+class _Batch:
+    """One kind's rows of a flush as arrays. `comm` is each row's communicator code in the store
+    (-1: none, over the bound); `comms` the Comm of each code; `base` each time in its agent's base
+    timebase (ns, the clock refinement's), `t` in Unix s."""
+
+    def __init__(self, tl: Timeline, a: _Acc):
+        self.a = a
+        self.n = a.n
+        self.seq = np.array(a.seq, dtype=np.int64)
+        self.rank = np.array(a.rank, dtype=np.int64)
+        self.pid = np.array(a.pid, dtype=np.int64)
+        self.node = np.array(a.node, dtype=np.int64)
+        ts = np.array(a.ts_ns, dtype=np.int64)
+        add, ref, drift, corr = np.repeat(np.array(a.clk, dtype=np.int64), a.counts, axis=0).T
+        # base = mono + add + floor(drift x (mono - ref) / 1e9), as ClockTable converts one time
+        self.base = ts + add + np.floor(drift * (ts - ref).astype(np.float64) / 1e9).astype(np.int64)
+        self.t = (self.base + corr) / 1e9
+        self.comms: Dict[int, Any] = {}
+        code_of_id: Dict[str, int] = {}
+        for cid in set(a.comm):
+            comm = comm_for_rows(tl, cid)
+            if comm is None:
+                tl.anomalies["comms-over-bound"] += a.comm.count(cid)
+                code_of_id[cid] = -1
+            else:
+                code = code_of_id[cid] = comm.attach(tl.store).code
+                self.comms[code] = comm
+        self.comm = np.array(list(map(code_of_id.__getitem__, a.comm)), dtype=np.int64)
+
+
+def apply(tl: Timeline, kind: str, acc: _Acc, touched: Dict[str, Any]) -> None:
+    """Apply one kind's rows gathered (acc); the communicators they name are put in `touched`."""
+    _sane(tl, acc)
+    if not acc.n:
+        return
+    rows = _Batch(tl, acc)
+    for comm in rows.comms.values():
+        touched[comm.id] = comm
+    keep, cells = _resolve(tl, rows)
+    if kind == "end":
+        _refine(tl, rows, keep)
+    idx = np.flatnonzero(keep)
+    if not len(idx):
+        return
+    st = tl.store
+    cells = cells[idx]
+    if kind == "coll":
+        _enters(tl, rows, idx, cells)
+    elif kind == "start":
+        _starts(tl, rows, idx, cells)
+    else:
+        _ends(tl, rows, idx, cells)
+    np.fmax.at(st.seen_at, cells, rows.t[idx])
+
+
+def _resolve(tl: Timeline, rows: _Batch) -> Tuple[np.ndarray, np.ndarray]:
+    """(rows kept, their cells): what comms.py's rank_event and _comm_of decided per event, for every
+    row; a rank new to its communicator gets its cell here."""
+    st = tl.store
+    cells = st.lookup(rows.comm, rows.rank)
+    hit = cells >= 0
+    safe = np.where(hit, cells, 0)
+    known = hit & (st.cell_pid[safe] == rows.pid) & (st.cell_node[safe] == rows.node) & (rows.comm >= 0)
+    keep = known.copy()
+    norec = known & ~st.has_rec[safe]
+    if norec.any():  # rows whose process has no RankRecord (yet): counted as comms.py did, and applied
+        for c in np.unique(cells[norec]).tolist():
+            rec = tl.ranks.get((tl.node_name(int(st.cell_node[c])), int(st.cell_pid[c])))
+            if rec is not None:
+                st.set_rec(c, rec)
+        tl.anomalies["unknown-pid"] += int((norec & ~st.has_rec[safe]).sum())
+    rest = ~known & (rows.comm >= 0)
+    if rest.any():
+        _careful(tl, rows, np.flatnonzero(rest), keep, cells)
+    return keep, cells
+
+
+def _careful(tl: Timeline, rows: _Batch, which: np.ndarray, keep: np.ndarray, cells: np.ndarray) -> None:
+    """Rows of a rank without a cell, or from another process than its cell's: one at a time."""
+    st = tl.store
+    for i in which.tolist():
+        comm = rows.comms[int(rows.comm[i])]
+        node_code, pid = int(rows.node[i]), int(rows.pid[i])
+        node = tl.node_name(node_code)
+        rec = tl.ranks.get((node, pid))
+        if rec is None:
+            tl.anomalies["unknown-pid"] += 1
+        else:
+            rec.saw(float(rows.t[i]))
+        rank = int(rows.rank[i])
+        if rank < 0:
+            rank = rec.rank if rec is not None else -1
+            if rank < 0:
+                tl.anomalies["no-rank"] += 1
+                continue
+            rows.rank[i] = rank
+        if not comm.job and rec is not None and rec.job:
+            comm.job = rec.job
+        prev = comm.pids.get(rank)
+        if (node, pid) in comm.retired or (prev is not None and prev != (node, pid)):
+            tl.anomalies["stale-pid"] += 1  # an old incarnation of a restarted rank; ignore it
+            continue
+        comm.pids[rank] = (node, pid)
+        cells[i] = st.cell(comm.attach(st), rank, node_code, pid, rec)
+        keep[i] = cells[i] >= 0
+
+
+def _views(tl: Timeline, rows: _Batch, idx: np.ndarray, first_op: Any) -> Tuple[np.ndarray, List[Any], np.ndarray]:
+    """(each row's slot, -1 where its collective fell out of the bound; the views, one per collective
+    (communicator, seq) of these rows, those not held yet made in the order of their first rows; each
+    row's index into them). A collective evicted already is late: each of its rows counted."""
+    keys = (rows.comm[idx] << SEQ_BITS) + (rows.seq[idx] + SEQ_SPAN)
+    ukeys, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+    views: List[Any] = [None] * len(ukeys)
+    missing: List[int] = []
+    heads = idx[first]
+    codes, seqs = rows.comm[heads].tolist(), rows.seq[heads].tolist()
+    comms = rows.comms
+    for k in np.argsort(first, kind="stable").tolist():
+        v = comms[codes[k]].colls.get(seqs[k])
+        if v is None:
+            missing.append(k)
+        else:
+            views[k] = v
+    if missing:
+        made = new_views(tl, [(comms[codes[k]], seqs[k], first_op(int(heads[k]))) for k in missing])
+        late = 0
+        for k, v in zip(missing, made):
+            views[k] = v
+            if v is None:
+                late += int(np.count_nonzero(inv == k)) - 1  # new_views counted one
+        if late:
+            tl.anomalies["late-event"] += late
+    slots = np.array([-1 if v is None else v._slot for v in views], dtype=np.int64)
+    return slots[inv], views, inv
+
+
+def _located(tl: Timeline, rows: _Batch, idx: np.ndarray, cells: np.ndarray, first_op: Any) -> Optional[Tuple[Any, ...]]:
+    """(rows, cells, slots, each row's view index, views, entries) of the rows `idx` whose collective is
+    held (made where new: _views), or None when none is."""
+    slots, views, inv = _views(tl, rows, idx, first_op)
+    live = slots >= 0
+    if not live.all():
+        idx, cells, slots, inv = idx[live], cells[live], slots[live], inv[live]
+        if not len(idx):
+            return None
+    return idx, cells, slots, inv, views, tl.store.base[slots] + tl.store.cell_col[cells]
+
+
+def _firsts(flat: np.ndarray) -> np.ndarray:
+    """True for each row that is the first of its entry among these rows."""
+    _, first = np.unique(flat, return_index=True)
+    out = np.zeros(len(flat), dtype=bool)
+    out[first] = True
+    return out
+
+
+def _enters(tl: Timeline, rows: _Batch, idx: np.ndarray, cells: np.ndarray) -> None:
+    st = tl.store
+    ops = rows.a.extra["op"]
+    new = ~st.member[cells]
+    if new.any():  # ranks entering a communicator's collective for the first time: members
+        for c in np.unique(cells[new]).tolist():
+            rows.comms[int(st.cell_comm[c])].members.add(int(st.cell_rank[c]))
+        st.member[cells[new]] = True
+    for code, comm in rows.comms.items():
+        if not comm.backend:
+            at = np.flatnonzero(rows.comm[idx] == code)
+            if len(at):
+                comm.backend = rows.a.extra["backend"][int(idx[at[0]])]
+    got = _located(tl, rows, idx, cells, lambda i: ops[i])
+    if got is None:
+        return
+    idx, cells, slots, inv, views, flat = got
+    dup = ~_firsts(flat) | ~np.isnan(st.enter[flat])
+    if dup.any():
+        tl.anomalies["duplicate-enter"] += int(dup.sum())
+        keep = ~dup
+        idx, cells, slots, inv, flat = idx[keep], cells[keep], slots[keep], inv[keep], flat[keep]
+        if not len(idx):
+            return
+    codes = _codes(ops)[idx]
+    _, first = np.unique(inv, return_index=True)
+    for k, i in zip(inv[first].tolist(), idx[first].tolist()):  # each collective's op: its first enter's
+        v = views[k]
+        if not v.op:
+            v.op = ops[i]
+    t = rows.t[idx]
+    st.enter[flat] = t
+    st.op[flat] = codes
+    np.add.at(st.n_entered, slots, 1)
+    ex = rows.a.extra
+    if max(ex["count"]) >= 0 or max(ex["nbytes"]) >= 0 or any(ex["dtype"]):
+        c = np.array(ex["count"], dtype=np.int64)[idx]
+        b = np.array(ex["nbytes"], dtype=np.int64)[idx]
+        d = _codes(ex["dtype"], empty=-1)[idx]
+        sized = (c >= 0) | (b >= 0) | (d >= 0)
+        f = flat[sized]
+        st.count[f], st.nbytes[f], st.dtype[f] = c[sized], b[sized], d[sized]
+    st.count_ops("enter", codes, cells)
+    seqs = rows.seq[idx]
+    order = np.lexsort((np.arange(len(idx)), seqs))[::-1]  # newest seq first, then the later row
+    _, last = np.unique(cells[order], return_index=True)
+    sel = order[last]
+    sel = sel[seqs[sel] >= st.last_seq[cells[sel]]]
+    c = cells[sel]
+    st.last_seq[c], st.last_op[c], st.last_t[c] = seqs[sel], codes[sel], t[sel]
+    st.last_version += 1
+    top = np.full(len(st.comms), -1, dtype=np.int64)
+    np.maximum.at(top, rows.comm[idx], seqs)
+    for code, comm in rows.comms.items():
+        if top[code] > comm.max_seq:
+            comm.max_seq = int(top[code])
+    st.touch(slots)
+    for node, e in rows.a.events:
+        tl.gpu.on_enter(node, e)
+
+
+def _starts(tl: Timeline, rows: _Batch, idx: np.ndarray, cells: np.ndarray) -> None:
+    st = tl.store
+    got = _located(tl, rows, idx, cells, lambda i: "")
+    if got is None:
+        return
+    idx, cells, slots, _, _, flat = got
+    no_enter = np.isnan(st.enter[flat])
+    if no_enter.any():
+        tl.anomalies["start-without-enter"] += int(no_enter.sum())
+    new = _firsts(flat) & np.isnan(st.start[flat])
+    st.start[flat[new]] = rows.t[idx[new]]
+    st.touch(slots)
+
+
+def _ends(tl: Timeline, rows: _Batch, idx: np.ndarray, cells: np.ndarray) -> None:
+    st = tl.store
+    got = _located(tl, rows, idx, cells, lambda i: "")
+    if got is None:
+        return
+    idx, cells, slots, inv, views, flat = got
+    enter = st.enter[flat]
+    no_enter = np.isnan(enter)
+    if no_enter.any():
+        tl.anomalies["end-without-enter"] += int(no_enter.sum())
+    dup = ~_firsts(flat) | ~np.isnan(st.end[flat])
+    if dup.any():
+        tl.anomalies["duplicate-end"] += int(dup.sum())
+        keep = ~dup
+        idx, cells, slots, inv, enter, flat = idx[keep], cells[keep], slots[keep], inv[keep], enter[keep], flat[keep]
+        if not len(idx):
+            return
+    t = rows.t[idx]
+    st.end[flat] = t
+    np.add.at(st.n_ended, slots, 1)
+    ranks = rows.rank[idx]
+    jobs: Dict[str, int] = {}
+    job_of = np.zeros(len(st.comms), dtype=np.int64)
+    for code, comm in rows.comms.items():  # blocked time is per job
+        job_of[code] = jobs.setdefault(comm.job, len(jobs))
+    if len(jobs) == 1:
+        tl.blocked.add_many(next(iter(jobs)), ranks, enter, t)
+    else:
+        row_job = job_of[rows.comm[idx]]
+        for job, j in jobs.items():
+            at = row_job == j
+            tl.blocked.add_many(job, ranks[at], enter[at], t[at])
+    oks = rows.a.extra["ok"]
+    if not all(oks):
+        errors = rows.a.extra["error"]
+        for k, i in zip(inv.tolist(), idx.tolist()):
+            if not oks[i]:
+                views[k].failed[int(rows.rank[i])] = errors[i] or "failed"
+    codes = st.op[flat].astype(np.int64)
+    unset = codes < 0
+    if unset.any():
+        default = np.array([code_of((v.op if v is not None else "") or "unknown") for v in views], dtype=np.int64)
+        codes[unset] = default[inv[unset]]
+    st.count_ops("end", codes, cells)
+    st.touch(slots)
+    _completions(tl, rows, views, np.unique(inv))
+
+
+def _completions(tl: Timeline, rows: _Batch, views: List[Any], touched: np.ndarray) -> None:
+    """Mark the collectives among views[touched] that completed: every expected member entered and
+    ended. A slot's counts of enters and ends (n_entered, n_ended) rule out most at once; where every
+    column of the communicator is an expected member those counts decide, else comms.completed looks."""
+    st = tl.store
+    vs = [views[k] for k in touched.tolist()]
+    slots = np.array([v._slot for v in vs], dtype=np.int64)
+    need = np.zeros(len(vs), dtype=np.int64)
+    exact = np.zeros(len(vs), dtype=bool)
+    for i, v in enumerate(vs):
+        if v.completed_at is None:
+            comm = rows.comms[int(st.slot_comm[v._slot])]
+            cols = expected_entries(tl, comm)
+            if cols is not None:
+                need[i] = len(cols)
+                exact[i] = len(cols) == comm.cols.ncols
+    maybe = (need > 0) & (st.n_ended[slots] >= need) & (st.n_entered[slots] >= need)
+    for i in np.flatnonzero(maybe & ~exact).tolist():
+        v = vs[i]
+        completed(tl, rows.comms[int(st.slot_comm[v._slot])], v)
+    done = np.flatnonzero(maybe & exact)
+    if not len(done):
+        return
+    bases, widths = st.base[slots[done]], np.array([vs[i]._cols.ncols for i in done.tolist()], dtype=np.int64)
+    at = blocks(bases, widths)
+    offsets = np.concatenate([[0], np.cumsum(widths)[:-1]])
+    last_end = np.fmax.reduceat(st.end[at], offsets)
+    first_in = np.fmin.reduceat(st.enter[at], offsets)
+    last_in = np.fmax.reduceat(st.enter[at], offsets)
+    for i, end, lo, hi in zip(done.tolist(), last_end.tolist(), first_in.tolist(), last_in.tolist()):
+        v = vs[i]
+        done_at(rows.comms[int(st.slot_comm[v._slot])], v, end, hi - lo, max(0.0, end - hi))
+
+
+def _refine(tl: Timeline, rows: _Batch, keep: np.ndarray) -> None:
+    """The successful ends, per (agent, collective), to the clock refinement (clockrefine.py), in the
+    agent's base timebase, collectives in the order their first end came. Communicators whose members
+    are all on one node are left out: they hold nothing to align."""
+    refiner = tl.clock.refiner
+    if refiner is None:
+        return
+    st = tl.store
+    lone = np.zeros(len(st.comms) + 1, dtype=bool)
+    for code in rows.comms:
+        lone[code] = len(st.comms[code].nodes) < 2
+    use = keep & ~lone[rows.comm] & np.array(rows.a.extra["ok"], dtype=bool)
+    at = np.flatnonzero(use)
+    if not len(at):
+        return
+    names = rows.a.agent
+    agents = {x: i for i, x in enumerate(set(names))}
+    agent = np.array(list(map(agents.__getitem__, names)), dtype=np.int64)[at]
+    comm, seq = rows.comm[at], rows.seq[at]
+    order = np.lexsort((seq, comm, agent))  # stable: a group's rows stay in the order they came
+    a_, c_, s_ = agent[order], comm[order], seq[order]
+    change = (a_[1:] != a_[:-1]) | (c_[1:] != c_[:-1]) | (s_[1:] != s_[:-1])
+    groups = np.split(at[order], np.flatnonzero(change) + 1)
+    base = rows.base
+    comm_ids = {code: c.id for code, c in rows.comms.items()}
+    for g in sorted(groups, key=lambda g: g[0]):  # by each collective's first end
+        i = int(g[0])
+        refiner.observe_ends(names[i], comm_ids[int(rows.comm[i])], int(rows.seq[i]), base[g].tolist())

@@ -1,0 +1,122 @@
+"""Every collective enter, start and end reaches the timeline here, as rows applied with array operations.
+
+A column block's rows and a single CollEnter, WorkStart or WorkEnd (a one-row segment) are gathered
+(`Rows.block`, `Rows.event`) until the Timeline flushes (`Rows.flush`: at the end of an ingest, and
+before any event that could change who is who: timeline.py's NEUTRAL lists the kinds that cannot).
+A flush applies all enters, then all starts, then all ends, of every communicator at once: the order
+a rank does them, whatever order the frames had, in a number of array operations that does not grow
+with the number of communicators or frames (colltable.py's CollStore holds them all).
+
+Here the gathering: per kind a list per field (_Acc); collapply.py applies them. Bounds: FLUSH_ROWS
+(timeline.py) rows at most between flushes, and each flush ends with the communicators it touched
+brought back to their collective bound (comms.evict).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+
+from ccld import wire as ev
+from ccld.timeline.collapply import apply
+from ccld.timeline.comms import evict
+
+if TYPE_CHECKING:
+    from ccld.timeline.timeline import Timeline
+
+KINDS = ("coll", "start", "end")
+# kind -> the fields beyond (comm, seq, rank, pid, ts_ns) a row keeps, with their defaults
+_EXTRA = {"coll": (("op", ""), ("backend", ""), ("count", -1), ("dtype", ""), ("nbytes", -1)),
+          "start": (), "end": (("ok", True), ("error", ""))}
+_KEY = (("seq", -1), ("rank", -1), ("pid", -1), ("ts_ns", 0))
+
+
+class _Acc:
+    """One kind's rows gathered: a list per field, a value per row; the agent's clock conversion
+    (ClockTable.params) per run of rows that came together (`counts`)."""
+    __slots__ = ("comm", "seq", "rank", "pid", "ts_ns", "node", "agent", "extra", "counts", "clk", "events", "n")
+
+    def __init__(self, kind: str):
+        self.comm: List[str] = []
+        self.seq: List[int] = []
+        self.rank: List[int] = []
+        self.pid: List[int] = []
+        self.ts_ns: List[int] = []
+        self.node: List[int] = []
+        self.agent: List[str] = []
+        self.extra: Dict[str, List[Any]] = {name: [] for name, _ in _EXTRA[kind]}
+        self.counts: List[int] = []
+        self.clk: List[Tuple[int, int, int, int]] = []
+        self.events: List[Tuple[str, ev.Event]] = []  # NCCL enters kept as events for the GPU join
+        self.n = 0
+
+
+class Rows:
+    """The rows gathered since the last flush, per kind, in the order they came."""
+
+    def __init__(self, tl: Timeline):
+        self.tl = tl
+        self.acc = {kind: _Acc(kind) for kind in KINDS}
+        self.n = 0
+
+    def block(self, agent: str, node: str, b: Any) -> None:
+        """All rows of column block `b` (ccld/wire/blocks.py) of `agent`, whose clock is known."""
+        tl = self.tl
+        same, cols, n, kind = b.same, b.cols, b.n, b.kind
+        comm = same.get("comm")
+        if comm is None or (kind == "coll" and tl.gpu.capture and same.get("backend") == "nccl"
+                            and tl.gpu.capturing(node, set(cols.get("pid", [same.get("pid", -1)])))):
+            for e in b.rows():  # the communicator as a column; or NCCL enters the kernel join takes as events
+                self.event(agent, node, e)
+            return
+        a = self.acc[kind]
+        a.comm.extend([comm] * n)
+        for name, default in _KEY:
+            v = cols.get(name)
+            getattr(a, name).extend(v if v is not None else [same.get(name, default)] * n)
+        for name, default in _EXTRA[kind]:
+            v = cols.get(name)
+            a.extra[name].extend(v if v is not None else [same.get(name, default)] * n)
+        a.node.extend([tl.node_code(node)] * n)
+        a.agent.extend([agent] * n)
+        a.counts.append(n)
+        a.clk.append(tl.clock.params(agent))
+        a.n += n
+        self.n += n
+
+    def event(self, agent: str, node: str, e: Any) -> None:
+        """One CollEnter, WorkStart or WorkEnd of `agent`, whose clock is known."""
+        tl = self.tl
+        kind = e.KIND
+        a = self.acc[kind]
+        a.comm.append(e.comm)
+        a.seq.append(e.seq)
+        a.rank.append(e.rank)
+        a.pid.append(e.pid)
+        a.ts_ns.append(e.ts_ns)
+        for name, values in a.extra.items():
+            values.append(getattr(e, name))
+        a.node.append(tl.node_code(node))
+        a.agent.append(agent)
+        clk = tl.clock.params(agent)
+        if a.clk and a.clk[-1] == clk:
+            a.counts[-1] += 1
+        else:
+            a.counts.append(1)
+            a.clk.append(clk)
+        if kind == "coll" and e.backend == "nccl" and tl.gpu.capture:
+            a.events.append((node, e))
+        a.n += 1
+        self.n += 1
+
+    def flush(self) -> None:
+        """Apply every row gathered: all enters, then all starts, then all ends."""
+        if not self.n:
+            return
+        acc = self.acc
+        self.acc, self.n = {kind: _Acc(kind) for kind in KINDS}, 0
+        touched: Dict[str, Any] = {}
+        for kind in KINDS:
+            if acc[kind].n:
+                apply(self.tl, kind, acc[kind], touched)
+        for comm in touched.values():
+            evict(self.tl, comm)
+        self.tl.store.settle()
