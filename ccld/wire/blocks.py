@@ -13,7 +13,10 @@ one kind that agree on every field but the per-rank ones, as columns:
 reader can replay the frame in (nearly) the order it was made: a block's rows are placed together at
 its first row. Any field may be in `same` or in `cols`; a reader must accept both. Times: as in
 schema.py (the sender's CLOCK_MONOTONIC ns); nothing here converts them. Values are checked by the
-same validator as maps' (validate.py).
+same validator as maps' (validate.py): read_fields, field by field. A block whose every field is known and
+of an exact type (int, str, bool), as agents send them, is first tried by _fits, a few tight loops that
+accept only what read_fields accepts (a frame's ~6 blocks cost half the Python steps); anything else, and
+every bad block, gets read_fields and its message.
 Caveat: a block that fails validation is dropped whole and its rows counted as bad events by reason;
 the frame's other blocks and events are kept.
 """
@@ -26,7 +29,8 @@ import operator
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from ccld.wire.schema import EVENT_TYPES, Event, field_types
-from ccld.wire.validate import MAX_EVENTS_PER_FRAME, FrameError, Rejects, column_problem, read_spec, show, type_problem
+from ccld.wire.validate import (EXACT_TYPES, MAX_EVENTS_PER_FRAME, FrameError, Rejects, column_problem, read_spec, show,
+                                type_problem)
 
 # kind -> the fields that differ from event to event (columns); every other field is shared by a block.
 # seq is a column so that one block holds a whole frame's worth of one communicator's collectives:
@@ -43,7 +47,11 @@ class Block:
     __slots__ = ("kind", "n", "at", "same", "cols")
 
     def __init__(self, kind: str, n: int, at: int, same: Dict[str, Any], cols: Dict[str, List[Any]]):
-        self.kind, self.n, self.at, self.same, self.cols = kind, n, at, same, cols
+        self.kind = kind  # one store a slot, not a tuple unpacked: read_block makes one Block a block
+        self.n = n
+        self.at = at
+        self.same = same
+        self.cols = cols
 
     def rows(self) -> List[Event]:
         """The block as event objects (the slow, general way to read it)."""
@@ -131,6 +139,23 @@ _first = operator.itemgetter(0)
 
 # ---- reading -------------------------------------------------------------------------------------
 
+# kind -> (its class, {field: (its exact type, 1 if required else 0)}, how many fields it requires), for
+# read_block's fast path. Only fields of an exact type (int, str, bool) are in the map: a block with a List
+# or Dict field (or one this reader does not know) gets the full check.
+FastSpec = Tuple[type, Dict[str, Tuple[type, int]], int]
+_FAST: Dict[str, FastSpec] = {}
+SHORT_COLUMN = 12  # rows up to which a Python loop over a column beats [*map(type, col)].count (CPython 3.11)
+_NO_FIELDS: Dict[str, Any] = {}  # a block's "same" when it has none (read, never written: Blocks get copies)
+
+
+def _fast_spec(kind: str, cls: type) -> FastSpec:
+    req, opt = field_types(cls)
+    exact = {name: (EXACT_TYPES[t], 0) for name, t in opt.items() if t in EXACT_TYPES}
+    exact.update({name: (EXACT_TYPES[t], 1) for name, t in req.items() if t in EXACT_TYPES})
+    got = _FAST[kind] = (cls, exact, len(req))
+    return got
+
+
 def read_block(raw: Any, n_events: int) -> Block:
     """Validate one wire block (a frame with `n_events` plain events). Raises FrameError naming the field."""
     if type(raw) is not dict:
@@ -138,10 +163,14 @@ def read_block(raw: Any, n_events: int) -> Block:
     kind = raw.get("k")
     if type(kind) is not str:
         raise FrameError("bad-block", f"block kind (field 'k') should be str, got {type(kind).__name__}")
-    cls = EVENT_TYPES.get(kind)
-    if cls is None:
-        raise FrameError("unknown-kind", f"unknown event kind {show(kind)} in a block")
-    n, at, same, cols = raw.get("n"), raw.get("at", 0), raw.get("same", {}), raw.get("cols")
+    fast = _FAST.get(kind)
+    if fast is None:
+        cls = EVENT_TYPES.get(kind)
+        if cls is None:
+            raise FrameError("unknown-kind", f"unknown event kind {show(kind)} in a block")
+        fast = _fast_spec(kind, cls)
+    cls, exact, n_req = fast
+    n, at, same, cols = raw.get("n"), raw.get("at", 0), raw.get("same", _NO_FIELDS), raw.get("cols")
     if type(n) is not int or n < 1 or n > MAX_EVENTS_PER_FRAME:
         raise FrameError("bad-block", f"block of {kind!r}: 'n' should be an int in 1..{MAX_EVENTS_PER_FRAME}, "
                                       f"got {show(n)}")
@@ -149,6 +178,47 @@ def read_block(raw: Any, n_events: int) -> Block:
         raise FrameError("bad-block", f"block of {kind!r}: 'at' should be an int in 0..{n_events}, got {show(at)}")
     if type(same) is not dict or type(cols) is not dict:
         raise FrameError("bad-block", f"block of {kind!r}: 'same' and 'cols' should be maps")
+    if _fits(exact, n_req, n, same, cols):
+        return Block(kind, n, at, same.copy(), cols.copy())  # copies: seq_runs reorders b.cols in place
+    return read_fields(kind, cls, n, at, same, cols)
+
+
+def _fits(exact: Dict[str, Tuple[type, int]], n_req: int, n: int, same: Dict[Any, Any], cols: Dict[Any, Any]) -> bool:
+    """True only when read_fields would accept the block and keep every field (so the Block is the same):
+    every name a str naming a field of an exact type, every value of that very type, every column a list
+    of n, none both shared and a column, every required field there (counted: the names are distinct), at
+    least one column. False sends a block to read_fields (a bad value, an unknown field, a List field, ...),
+    which names the first problem. Python loops, not set(map(type, col)): for a block's few fields and rows
+    they are the cheaper (and a hit is the common case)."""
+    seen_req = 0
+    try:
+        for name, value in same.items():
+            if type(name) is not str:
+                return False
+            t, req = exact[name]  # KeyError: not a field of an exact type
+            if type(value) is not t:
+                return False
+            seen_req += req
+        for name, col in cols.items():
+            if type(name) is not str:
+                return False
+            t, req = exact[name]
+            if type(col) is not list or len(col) != n or name in same:
+                return False
+            if n <= SHORT_COLUMN:
+                for x in col:
+                    if type(x) is not t:
+                        return False
+            elif [*map(type, col)].count(t) != n:
+                return False
+            seen_req += req
+    except KeyError:
+        return False
+    return seen_req == n_req and bool(cols)
+
+
+def read_fields(kind: str, cls: type, n: int, at: int, same: Dict[Any, Any], cols: Dict[Any, Any]) -> Block:
+    """The full check of a block's fields, one by one: the first problem is the one named."""
     req, opt = field_types(cls)
     known_same, known_cols = {}, {}
     for name, value in same.items():

@@ -28,6 +28,7 @@ from ccld.wire.validate import (MAX_EVENTS_PER_FRAME, MAX_FRAME_BYTES, FrameErro
                                 show, type_problem)
 
 PEEK_BYTES = 512  # the envelope's keys before "events" fit in this (an agent id is <= 255 bytes)
+ENVELOPE_FIELDS = (("agent", str), ("node", str), ("batch", int), ("events", list))  # checked in this order
 
 
 def event_from_wire(d: Any) -> Event:
@@ -147,7 +148,10 @@ def decode_batch(frame: bytes) -> Batch:
     if not isinstance(env, dict):
         raise FrameError("bad-envelope", f"frame is a MessagePack {type(env).__name__}, not a map")
     v = env.get("v")
-    if (not isinstance(v, (list, tuple)) or len(v) != 2
+    # Each check below first tries the exact types MessagePack gives (cheap, and they always pass the
+    # full check), then the full check, which decides and names what is wrong.
+    if not (type(v) is list and len(v) == 2 and type(v[0]) is int and type(v[1]) is int) and (
+            not isinstance(v, (list, tuple)) or len(v) != 2
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
         raise FrameError("no-version", f"frame has no valid schema version 'v' (got {show(v)})")
     if v[0] > SCHEMA_MAJOR:
@@ -157,11 +161,13 @@ def decode_batch(frame: bytes) -> Batch:
     if v[0] < SCHEMA_MAJOR:
         raise FrameError("older-major", f"frame has schema version {v[0]}.{v[1]}, no longer supported "
                                         f"(this collector reads {SCHEMA_MAJOR}.x)")
-    for key, typ in (("agent", str), ("node", str), ("batch", int), ("events", list)):
-        got = env.get(key)
-        if not isinstance(got, typ) or isinstance(got, bool):
-            raise FrameError("bad-envelope", f"frame envelope field {key!r} is missing or not a {typ.__name__} "
-                                             f"(got {type(got).__name__})")
+    if not (type(env.get("agent")) is str and type(env.get("node")) is str and type(env.get("batch")) is int
+            and type(env.get("events")) is list):
+        for key, typ in ENVELOPE_FIELDS:
+            got = env.get(key)
+            if not isinstance(got, typ) or isinstance(got, bool):
+                raise FrameError("bad-envelope", f"frame envelope field {key!r} is missing or not a {typ.__name__} "
+                                                 f"(got {type(got).__name__})")
     events: List[Event] = []
     skipped = 0
     rejects = Rejects(env["agent"], env["batch"], v[1])
