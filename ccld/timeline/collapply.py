@@ -30,46 +30,60 @@ _BOUNDS = {"seq": (-SEQ_SPAN, SEQ_SPAN), "rank": (-(1 << 31), 1 << RANK_BITS), "
            "ts_ns": (0, 1 << 61)}
 
 
-def _sane(tl: Timeline, a: _Acc) -> None:
-    """Drop (counting them by field: "<field>-out-of-range") the rows whose ints lie outside _BOUNDS;
-    one check per field when none does."""
-    bad: set = set()
+def _bad_rows(a: _Acc) -> Dict[str, List[int]]:
+    """field -> the rows whose value lies outside _BOUNDS (or past int64: count, nbytes; a run's clock
+    conversion past +-2^61): the slow look, after a check on the arrays found one."""
+    out: Dict[str, List[int]] = {}
     for name, (lo, hi) in _BOUNDS.items():
-        values = getattr(a, name)
-        if values and (min(values) < lo or max(values) >= hi):
-            out = [i for i, v in enumerate(values) if not lo <= v < hi]
-            tl.anomalies[f"{name}-out-of-range"] += len(set(out) - bad)
-            bad.update(out)
-    ex = a.extra
+        got = [i for i, v in enumerate(getattr(a, name)) if not lo <= v < hi]
+        if got:
+            out[name] = got
     for name in ("count", "nbytes"):
-        values = ex.get(name)
-        if values and (min(values) < -(1 << 62) or max(values) >= 1 << 62):
-            out = [i for i, v in enumerate(values) if not -(1 << 62) <= v < 1 << 62]
-            tl.anomalies[f"{name}-out-of-range"] += len(set(out) - bad)
-            bad.update(out)
-    lim = 1 << 61
-    at = 0
-    for n, clk in zip(a.counts, a.clk):  # an agent whose clock samples are absurd: its rows cannot be placed
+        got = [i for i, v in enumerate(a.extra.get(name, ())) if not -(1 << 62) <= v < 1 << 62]
+        if got:
+            out[name] = got
+    lim, at, got = 1 << 61, 0, []
+    for n, clk in zip(a.counts, a.clk):
         if not all(-lim < x < lim for x in clk):
-            out = [i for i in range(at, at + n) if i not in bad]
-            tl.anomalies["clock-out-of-range"] += len(out)
-            bad.update(out)
+            got.extend(range(at, at + n))
         at += n
-    if not bad:
-        return
-    keep = [i not in bad for i in range(a.n)]
+    if got:
+        out["clock"] = got
+    return out
+
+
+def _drop(tl: Timeline, a: _Acc, bad: Dict[str, List[int]]) -> None:
+    """Leave out rows `bad` (field -> rows), each counted once as "<field>-out-of-range"."""
+    gone: set = set()
+    for name, rows in bad.items():
+        tl.anomalies[f"{name}-out-of-range"] += len(set(rows) - gone)
+        gone.update(rows)
+    keep = [i not in gone for i in range(a.n)]
     for name in ("comm", "seq", "rank", "pid", "ts_ns", "node", "agent"):
         setattr(a, name, [v for v, k in zip(getattr(a, name), keep) if k])
-    for name in list(ex):
-        ex[name] = [v for v, k in zip(ex[name], keep) if k]
+    for name in list(a.extra):
+        a.extra[name] = [v for v, k in zip(a.extra[name], keep) if k]
     runs, at = [], 0
     for n in a.counts:  # each run of rows keeps its clock, less its dropped rows
         runs.append(sum(keep[at:at + n]))
         at += n
     a.clk = [c for c, n in zip(a.clk, runs) if n]
     a.counts = [n for n in runs if n]
-    a.events = [x for x in a.events if -(1 << 62) < x[1].seq < 1 << 62]
+    a.events = [x for x in a.events if -SEQ_SPAN <= x[1].seq < SEQ_SPAN]
     a.n = len(a.seq)
+
+
+def _batch(tl: Timeline, a: _Acc) -> Optional[_Batch]:
+    """The rows as arrays, those that no array can hold (or that lie outside _BOUNDS) left out,
+    counted; None when none is left."""
+    try:
+        rows = _Batch(tl, a)
+        if not rows.out_of_bounds():
+            return rows
+    except OverflowError:  # an int past int64
+        pass
+    _drop(tl, a, _bad_rows(a))
+    return _Batch(tl, a) if a.n else None
 
 
 def _codes(values: List[str], empty: Optional[int] = None) -> np.ndarray:
@@ -90,8 +104,12 @@ class _Batch:
         self.rank = np.array(a.rank, dtype=np.int64)
         self.pid = np.array(a.pid, dtype=np.int64)
         self.node = np.array(a.node, dtype=np.int64)
-        ts = np.array(a.ts_ns, dtype=np.int64)
-        add, ref, drift, corr = np.repeat(np.array(a.clk, dtype=np.int64), a.counts, axis=0).T
+        self.ts = ts = np.array(a.ts_ns, dtype=np.int64)
+        self.clk = np.array(a.clk, dtype=np.int64)
+        ex = a.extra
+        self.count = np.array(ex["count"], dtype=np.int64) if "count" in ex else None
+        self.nbytes = np.array(ex["nbytes"], dtype=np.int64) if "nbytes" in ex else None
+        add, ref, drift, corr = np.repeat(self.clk, a.counts, axis=0).T
         # base = mono + add + floor(drift x (mono - ref) / 1e9), as ClockTable converts one time
         self.base = ts + add + np.floor(drift * (ts - ref).astype(np.float64) / 1e9).astype(np.int64)
         self.t = (self.base + corr) / 1e9
@@ -107,13 +125,21 @@ class _Batch:
                 self.comms[code] = comm
         self.comm = np.array(list(map(code_of_id.__getitem__, a.comm)), dtype=np.int64)
 
+    def out_of_bounds(self) -> bool:
+        """Some row's value lies outside _BOUNDS, or a run's clock conversion past +-2^61."""
+        for name, (lo, hi) in _BOUNDS.items():
+            v = self.ts if name == "ts_ns" else getattr(self, name)
+            if len(v) and (int(v.min()) < lo or int(v.max()) >= hi):
+                return True
+        return bool(len(self.clk)) and int(np.abs(self.clk).max()) >= 1 << 61
+
 
 def apply(tl: Timeline, kind: str, acc: _Acc, touched: Dict[str, Any]) -> None:
     """Apply one kind's rows gathered (acc); the communicators they name are put in `touched`."""
-    _sane(tl, acc)
-    if not acc.n:
+    got = _batch(tl, acc)
+    if got is None:
         return
-    rows = _Batch(tl, acc)
+    rows = got
     for comm in rows.comms.values():
         touched[comm.id] = comm
     keep, cells = _resolve(tl, rows)
@@ -270,9 +296,10 @@ def _enters(tl: Timeline, rows: _Batch, idx: np.ndarray, cells: np.ndarray) -> N
     st.op[flat] = codes
     np.add.at(st.n_entered, slots, 1)
     ex = rows.a.extra
-    if max(ex["count"]) >= 0 or max(ex["nbytes"]) >= 0 or any(ex["dtype"]):
-        c = np.array(ex["count"], dtype=np.int64)[idx]
-        b = np.array(ex["nbytes"], dtype=np.int64)[idx]
+    count = rows.count if rows.count is not None else np.full(rows.n, -1, dtype=np.int64)
+    nbytes = rows.nbytes if rows.nbytes is not None else np.full(rows.n, -1, dtype=np.int64)
+    if count.max() >= 0 or nbytes.max() >= 0 or any(ex["dtype"]):
+        c, b = count[idx], nbytes[idx]
         d = _codes(ex["dtype"], empty=-1)[idx]
         sized = (c >= 0) | (b >= 0) | (d >= 0)
         f = flat[sized]
@@ -365,16 +392,16 @@ def _completions(tl: Timeline, rows: _Batch, views: List[Any], touched: np.ndarr
     st = tl.store
     vs = [views[k] for k in touched.tolist()]
     slots = np.array([v._slot for v in vs], dtype=np.int64)
-    need = np.zeros(len(vs), dtype=np.int64)
-    exact = np.zeros(len(vs), dtype=bool)
-    for i, v in enumerate(vs):
-        if v.completed_at is None:
-            comm = rows.comms[int(st.slot_comm[v._slot])]
-            cols = expected_entries(tl, comm)
-            if cols is not None:
-                need[i] = len(cols)
-                exact[i] = len(cols) == comm.cols.ncols
-    maybe = (need > 0) & (st.n_ended[slots] >= need) & (st.n_entered[slots] >= need)
+    codes = st.slot_comm[slots]
+    need_of = np.zeros(len(st.comms) + 1, dtype=np.int64)  # per communicator: its expected members' count ...
+    exact_of = np.zeros(len(st.comms) + 1, dtype=bool)     # ... and whether they are all its columns
+    for code, comm in rows.comms.items():
+        cols = expected_entries(tl, comm)
+        if cols is not None:
+            need_of[code], exact_of[code] = len(cols), len(cols) == comm.cols.ncols
+    open_ = np.array([v.completed_at is None for v in vs], dtype=bool)
+    need, exact = need_of[codes], exact_of[codes]
+    maybe = open_ & (need > 0) & (st.n_ended[slots] >= need) & (st.n_entered[slots] >= need)
     for i in np.flatnonzero(maybe & ~exact).tolist():
         v = vs[i]
         completed(tl, rows.comms[int(st.slot_comm[v._slot])], v)
@@ -387,9 +414,10 @@ def _completions(tl: Timeline, rows: _Batch, views: List[Any], touched: np.ndarr
     last_end = np.fmax.reduceat(st.end[at], offsets)
     first_in = np.fmin.reduceat(st.enter[at], offsets)
     last_in = np.fmax.reduceat(st.enter[at], offsets)
-    for i, end, lo, hi in zip(done.tolist(), last_end.tolist(), first_in.tolist(), last_in.tolist()):
-        v = vs[i]
-        done_at(rows.comms[int(st.slot_comm[v._slot])], v, end, hi - lo, max(0.0, end - hi))
+    comms = rows.comms
+    for i, c, end, lo, hi in zip(done.tolist(), codes[done].tolist(), last_end.tolist(), first_in.tolist(),
+                                 last_in.tolist()):
+        done_at(comms[c], vs[i], end, hi - lo, max(0.0, end - hi))
 
 
 def _refine(tl: Timeline, rows: _Batch, keep: np.ndarray) -> None:
