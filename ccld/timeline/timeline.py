@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import collections
-from typing import Any, Deque, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from ccld import wire as ev
 from ccld.timeline.align import Aligner
@@ -37,7 +37,7 @@ from ccld.timeline.netprog import ProgressTable
 from ccld.timeline.p2p import P2POp
 from ccld.timeline.rdma import RdmaTable
 from ccld.timeline.records import Comm, RankRecord
-from ccld.wire.blocks import ANNOUNCE_KINDS, Block
+from ccld.wire.blocks import Block, frame_order
 
 MAX_RANKS = 100_000           # processes per collector
 MAX_WORLD_SIZE = 1 << 17      # 131,072 ranks: above the largest jobs run today; a bigger value is a corrupt event
@@ -131,7 +131,7 @@ class Timeline:
         plain, blocks = batch.plain, batch.blocks
         if batch.node in self.align.nodes:  # its NCCL calls seen after the attach are aligned (align.py)
             plain, blocks = self.align.rewrite(plain, blocks)
-        for e in _in_order(plain, blocks):
+        for e in frame_order(plain, blocks):  # a block's rows are gathered (collrows.py): ordered there
             if type(e) is Block:
                 self._block(agent, batch.node, e)
             else:
@@ -424,22 +424,3 @@ class Timeline:
                 "agents": len(self.agents), "ranks": len(self.ranks), "comms": len(self.comms),
                 "gpu": self.gpu.counters(), "nccl_alignment": self.align.counters()}
 
-
-def _in_order(plain: List[Any], blocks: List[Block]) -> Iterator[Any]:
-    """A frame's events and whole blocks in the order to apply them: the plain events before the first
-    block, the announcements among the rest (ANNOUNCE_KINDS: a subgroup built mid-frame must be known
-    before its first collective's rows), the blocks, then the other plain events. A block's rows are
-    applied with the rest of the ingest's rows (collrows.py), enters before starts before ends."""
-    if not blocks:
-        yield from plain
-        return
-    at = min(b.at for b in blocks)
-    yield from plain[:at]
-    later = []
-    for e in plain[at:]:
-        if e.KIND in ANNOUNCE_KINDS:
-            yield e
-        else:
-            later.append(e)
-    yield from blocks
-    yield from later

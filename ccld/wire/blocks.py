@@ -308,17 +308,13 @@ def _kind(e: Any) -> Any:
     return k if type(k) is str else None
 
 
-def in_order(plain: List[Any], blocks: List[Block]) -> Iterator[Any]:
-    """The frame's events in the order a reader should apply them: yields Events and runs, a run being
-    (block, seq, i, j), rows i:j of a block, all of collective seq.
-
-    The plain events before the first block come first, then the announcements among the rest (a
-    RankInfo, a CommInit: ANNOUNCE_KINDS), then every block's runs ordered by (seq, enter before start
-    before end), then the remaining plain events. A block gathers a whole frame's rows, so without that
-    merge a frame holding an allreduce then a broadcast would replay the broadcast's ends (in the one
-    "end" block) before its enters (in the broadcast's "coll" block); and without the announcements
-    first, a subgroup built in the middle of a frame would get its first collective before its CommInit
-    (its size unknown, so that collective would never be complete)."""
+def frame_order(plain: List[Any], blocks: List[Block]) -> Iterator[Any]:
+    """The frame's plain events and whole blocks in the order a reader should apply them: the plain
+    events before the first block, then the announcements among the rest (a RankInfo, a CommInit:
+    ANNOUNCE_KINDS), then the blocks (yielded as Block), then the remaining plain events. Without the
+    announcements first, a subgroup built in the middle of a frame would get its first collective
+    before its CommInit (its size unknown, so that collective would never be complete). A reader that
+    applies a block's rows in the frame's order must order them itself (in_order does)."""
     if not blocks:
         yield from plain
         return
@@ -330,14 +326,32 @@ def in_order(plain: List[Any], blocks: List[Block]) -> Iterator[Any]:
             yield e
         else:
             later.append(e)
+    yield from blocks
+    yield from later
+
+
+def in_order(plain: List[Any], blocks: List[Block]) -> Iterator[Any]:
+    """The frame's events in the order a reader should apply them one at a time: frame_order, with the
+    blocks as runs (block, seq, i, j), rows i:j of a block, all of collective seq, ordered by (seq,
+    enter before start before end). A block gathers a whole frame's rows, so without that merge a frame
+    holding an allreduce then a broadcast would replay the broadcast's ends (in the one "end" block)
+    before its enters (in the broadcast's "coll" block)."""
     runs: List[Tuple[int, int, int, int, int, Block]] = []
-    for k, b in enumerate(blocks):
-        order = KIND_ORDER.get(b.kind, 3)
-        runs.extend((seq, order, k, i, j, b) for seq, i, j in seq_runs(b))
+    for item in frame_order(plain, blocks):
+        if type(item) is not Block:
+            if runs:
+                runs.sort(key=lambda r: r[:5])
+                for seq, _, _, i, j, b in runs:
+                    yield (b, seq, i, j)
+                runs = []
+            yield item
+            continue
+        k = len(runs)
+        order = KIND_ORDER.get(item.kind, 3)
+        runs.extend((seq, order, k, i, j, item) for seq, i, j in seq_runs(item))
     runs.sort(key=lambda r: r[:5])
     for seq, _, _, i, j, b in runs:
         yield (b, seq, i, j)
-    yield from later
 
 
 def run_rows(b: Block, seq: int, i: int, j: int) -> List[Event]:
