@@ -111,8 +111,9 @@ class CollStore:
         self.n_enter = np.zeros((8, 64), dtype=np.int64)  # [op code, cell]
         self.n_end = np.zeros((8, 64), dtype=np.int64)
         self.recs: List[Any] = []
-        self.keys = np.zeros(0, dtype=np.int64)          # sorted cell keys, and their cells
+        self.keys = np.zeros(0, dtype=np.int64)          # sorted cell keys, and their cells ...
         self.key_cells = np.zeros(0, dtype=np.int64)
+        self.new_keys: List[int] = []                     # ... but for cells made since, merged by lookup
         self.last_version = 0                             # bumped when any last_* changes
         # slots
         self.slot_cap = 0
@@ -165,10 +166,7 @@ class CollStore:
             cols.cells.append(cell)
             self.cell_comm[cell], self.cell_rank[cell], self.cell_col[cell] = cols.code, rank, col
             self.recs.append(None)
-            key = (cols.code << RANK_BITS) | rank
-            at = int(np.searchsorted(self.keys, key))
-            self.keys = np.insert(self.keys, at, key)
-            self.key_cells = np.insert(self.key_cells, at, cell)
+            self.new_keys.append((cols.code << RANK_BITS) | rank)
             if col >= cols.cap:
                 self._widen(cols, 2 * cols.cap)
         else:
@@ -199,6 +197,8 @@ class CollStore:
     def lookup(self, comm_codes: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """The cell of each (communicator code, rank) row, -1 where there is none."""
         out = np.full(len(ranks), -1, dtype=np.int64)
+        if self.new_keys:
+            self._merge_keys()
         if not len(self.keys):
             return out
         ok = (ranks >= 0) & (ranks < (1 << RANK_BITS))
@@ -207,6 +207,16 @@ class CollStore:
         hit = ok & (self.keys[at] == keys)
         out[hit] = self.key_cells[at[hit]]
         return out
+
+    def _merge_keys(self) -> None:
+        """The cells made since the last lookup into the sorted index (one sort, not an insert each:
+        a job's first frames make a cell per rank and communicator)."""
+        n = len(self.new_keys)
+        keys = np.concatenate([self.keys, np.array(self.new_keys, dtype=np.int64)])
+        cells = np.concatenate([self.key_cells, np.arange(self.ncells - n, self.ncells, dtype=np.int64)])
+        order = np.argsort(keys, kind="stable")
+        self.keys, self.key_cells = keys[order], cells[order]
+        self.new_keys = []
 
     def count_ops(self, which: str, codes: np.ndarray, cells: np.ndarray) -> None:
         """One collective entered (which="enter") or ended per (op code, cell) pair given."""

@@ -201,10 +201,12 @@ def expected_entries(tl: Timeline, comm: Comm) -> Optional[np.ndarray]:
     reported: nothing can be complete)."""
     expected = tl.expected_members(comm.id)
     cols = comm.attach(tl.store)
-    key = (comm.expected_key, cols.ncols)
-    if comm.expected_cols[0] != key:
-        got = [cols.col_of.get(r, -1) for r in expected]
-        comm.expected_cols = (key, None if -1 in got else np.array(got, dtype=np.int64))
+    if cols.ncols < len(expected):  # one of them has no column yet (a job's first frames: no list built)
+        return None
+    key, got = comm.expected_cols
+    if key is None or key[0] is not expected or key[1] != cols.ncols:
+        at = [cols.col_of.get(r, -1) for r in expected]
+        comm.expected_cols = ((expected, cols.ncols), None if -1 in at else np.array(at, dtype=np.int64))
     return comm.expected_cols[1]
 
 

@@ -110,6 +110,7 @@ class Comm:
     resets: int = 0
     expected: FrozenSet[int] = frozenset()                 # expected_members' answer, while expected_key holds
     expected_key: Tuple[int, ...] = (-2, -2, -2, -2)
+    expected_world: int = -1                               # the world `expected` is range() of, -1: members
     group_of: Dict[int, int] = field(default_factory=dict)     # global rank -> group rank (CommInit)
     global_by_group: Dict[int, int] = field(default_factory=dict)  # its inverse
     ordered: Tuple[Any, List[int]] = ((), [])                  # (expected_key, sorted expected members): a cache
@@ -121,7 +122,7 @@ class Comm:
     # (named by its handle, seen after the attach) and one joined from such by align.py
     members_only: bool = False
     alignment: Optional[Dict[str, Any]] = None  # align.py's joined communicator: how (findings' evidence)
-    expected_cols: Tuple[Any, Any] = ((), None)  # (key, columns of the expected members or None): a cache
+    expected_cols: Tuple[Any, Any] = (None, None)  # ((expected, ncols), columns of the expected or None): a cache
     _last: Tuple[int, Dict[int, Tuple[int, str, float]]] = (-1, {})
 
     @property

@@ -312,7 +312,11 @@ class Timeline:
         if comm.expected_key != key:
             spans = world > 0 and (comm.group_size < 0 or comm.group_size == world) \
                 and world <= 2 * seen + SMALL_WORLD and not comm.members_only
-            comm.expected = frozenset(range(world)) if spans else frozenset(comm.members)
+            if spans:  # the same set while the world holds: kept, so caches keyed on it stay valid
+                if comm.expected_world != world:
+                    comm.expected, comm.expected_world = frozenset(range(world)), world
+            else:
+                comm.expected, comm.expected_world = frozenset(comm.members), -1
             comm.expected_key = key
         return comm.expected
 

@@ -1,0 +1,85 @@
+"""The collective store's indexes (ccld/timeline/colltable.py) and the completion of collectives of a
+world whose ranks announce themselves over many frames: what a big job's first seconds look like."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from ccld import wire as ev
+from ccld.timeline.colltable import CollStore
+from ccld.timeline.timeline import Timeline
+
+pytestmark = pytest.mark.unit
+
+T0_NS = 5_000_000_000_000
+
+
+def test_every_cell_made_between_lookups_is_found_and_no_other():
+    rnd = random.Random(3)
+    st = CollStore()
+    comms = [st.new_comm() for _ in range(3)]
+    made = {}
+    pairs = [(c, r) for c in range(3) for r in rnd.sample(range(5000), 400)]
+    rnd.shuffle(pairs)
+    for k, (c, r) in enumerate(pairs):
+        made[(c, r)] = st.cell(comms[c], r, node=0, pid=r, rec=None)
+        if k % 97 == 0 or k == len(pairs) - 1:  # a lookup now and then, as flushes do
+            asked = list(made) + [(c, r + 5000) for c, r in list(made)[:50]] + [(2, 1 << 21)]
+            got = st.lookup(np.array([c for c, _ in asked], dtype=np.int64), np.array([r for _, r in asked], dtype=np.int64))
+            want = [made.get(a, -1) for a in asked]
+            assert got.tolist() == want
+    assert sorted(made.values()) == list(range(len(pairs)))  # one cell each, numbered as made
+
+
+def test_a_cell_asked_again_is_the_same_cell_and_takes_the_new_process():
+    st = CollStore()
+    c = st.new_comm()
+    first = st.cell(c, 7, node=1, pid=100, rec=None)
+    again = st.cell(c, 7, node=2, pid=200, rec=None)
+    assert first == again
+    assert (st.cell_node[first], st.cell_pid[first]) == (2, 200)
+    assert st.lookup(np.array([c.code]), np.array([7])).tolist() == [first]
+
+
+def frame(agent, node, batch, events):
+    return ev.decode_batch(ev.encode_batch(agent, node, batch, events))
+
+
+def test_a_collective_completes_only_once_the_last_rank_of_a_growing_world_entered_and_ended_it():
+    """World 64 on two agents; the second agent's ranks announce themselves only in its second frame.
+    Collective 1 is entered and ended by ranks 0-31 first: not complete (32 members of 64 have not
+    reported). Once ranks 32-63 announce, enter and end it, it is; collective 2, entered by all, too."""
+    world, t = 64, T0_NS
+    clock = ev.ClockSample(mono_ns=t, wall_ns=t + 10 ** 18, ts_ns=t)
+
+    def announce(ranks):
+        out = []
+        for r in ranks:
+            out.append(ev.RankInfo(pid=100 + r, rank=r, world_size=world, local_rank=r % 32, node=f"n{r // 32}",
+                                   job="j", ts_ns=t))
+            out.append(ev.CommInit(pid=100 + r, rank=r, ts_ns=t, backend="gloo", comm="j/gloo:0", group_rank=r,
+                                   group_size=world))
+        return out
+
+    def run(ranks, seq, dt):
+        out = []
+        for r in ranks:
+            out.append(ev.CollEnter(pid=100 + r, rank=r, ts_ns=t + dt + r, backend="gloo", comm="j/gloo:0", seq=seq,
+                                    op="allreduce"))
+            out.append(ev.WorkStart(pid=100 + r, rank=r, ts_ns=t + dt + 100, comm="j/gloo:0", seq=seq))
+            out.append(ev.WorkEnd(pid=100 + r, rank=r, ts_ns=t + dt + 200 + r, comm="j/gloo:0", seq=seq))
+        return out
+
+    low, high = range(32), range(32, 64)
+    tl = Timeline()
+    tl.ingest(frame("a0", "n0", 1, [clock] + announce(low) + run(low, 1, 1000)), 1.0)
+    tl.ingest(frame("a1", "n1", 1, [clock]), 1.0)
+    comm = tl.comms["j/gloo:0"]
+    assert comm.completed == 0 and comm.colls[1].completed_at is None
+    tl.ingest(frame("a1", "n1", 2, announce(high) + run(high, 1, 1000)), 1.0)
+    assert comm.completed == 1
+    assert comm.colls[1].completed_at == pytest.approx((t + 1000 + 200 + 63) / 1e9 + 1e9, abs=1e-6)
+    tl.ingest_many([(frame("a0", "n0", 2, run(low, 2, 5000)), 1.0), (frame("a1", "n1", 3, run(high, 2, 5000)), 1.0)])
+    assert comm.completed == 2 and comm.colls[2].completed_at is not None
