@@ -162,7 +162,7 @@ class Aligner:
             aligned = self.tl.comms.get(was[0])
             self._ranks.get(was[0], set()).discard(rank)
             if aligned is not None and aligned.alignment is not None:
-                aligned.members.discard(rank)
+                aligned.drop_member(rank)
                 al = aligned.alignment
                 al["n_members"] -= 1
                 al["members"] = [m for m in al["members"] if m["from"] != comm.id]

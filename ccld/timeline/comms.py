@@ -140,12 +140,23 @@ def _comm_of(tl: Timeline, cid: str, rec: Optional[RankRecord], rank: int, node:
         # The rank was restarted and rebuilt this group: sequence numbers start over.
         tl.anomalies["comm-reset"] += 1
         if comm.cols is not None:
+            _let_go(comm)
             tl.store.drop_comm(comm.cols)
         comm = tl.comms[cid] = Comm(id=cid, job=comm.job, backend=comm.backend, resets=comm.resets + 1,
                                     retired=comm.retired | set(comm.pids.values()))
     comm.pids[rank] = (node, pid)
     tl.store.cell(comm.attach(tl.store), rank, tl.node_code(node), pid, rec)
     return comm
+
+
+def _let_go(comm: Comm) -> None:
+    """A replaced communicator's collectives leave it, as evicted ones do: a view an analysis still
+    holds keeps a copy, since its slot is about to hold another communicator's collective."""
+    colls = comm.colls
+    while colls:
+        _, gone = colls.popitem(last=False)
+        if sys.getrefcount(gone) > 2:  # this name and the call hold two
+            gone.freeze()
 
 
 def comm_for_rows(tl: Timeline, cid: str) -> Optional[Comm]:

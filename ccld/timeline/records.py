@@ -135,6 +135,15 @@ class Comm:
             self._last = (st.last_version, st.last_entered(self.cols))
         return self._last[1]
 
+    def drop_member(self, rank: int) -> None:
+        """`rank` is no longer one of its members; its next enter makes it one again (collapply.py adds a
+        rank once per cell, so the cell forgets that it did)."""
+        self.members.discard(rank)
+        if self.store is not None and self.cols is not None:
+            col = self.cols.col_of.get(rank)
+            if col is not None:
+                self.store.member[self.cols.cells[col]] = False
+
     def attach(self, store: CollStore) -> CommCols:
         """Its columns in `store` (made the first time)."""
         if self.cols is None:

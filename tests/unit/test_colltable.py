@@ -83,3 +83,32 @@ def test_a_collective_completes_only_once_the_last_rank_of_a_growing_world_enter
     assert comm.colls[1].completed_at == pytest.approx((t + 1000 + 200 + 63) / 1e9 + 1e9, abs=1e-6)
     tl.ingest_many([(frame("a0", "n0", 2, run(low, 2, 5000)), 1.0), (frame("a1", "n1", 3, run(high, 2, 5000)), 1.0)])
     assert comm.completed == 2 and comm.colls[2].completed_at is not None
+
+
+def test_a_view_held_across_a_restart_keeps_the_old_communicators_collective():
+    """Rank 1 restarts (a new pid announces the group again): the communicator is rebuilt and its slots
+    go to the new one's collectives. A view of the old collective 3 that an analysis held still shows
+    the old enters, not the new communicator's."""
+    t = T0_NS
+    clock = ev.ClockSample(mono_ns=t, wall_ns=t + 10 ** 18, ts_ns=t)
+
+    def announce(pids):
+        return [e for r, pid in enumerate(pids) for e in (
+            ev.RankInfo(pid=pid, rank=r, world_size=2, local_rank=r, node="n0", job="j", ts_ns=t),
+            ev.CommInit(pid=pid, rank=r, ts_ns=t, backend="gloo", comm="j/gloo:0", group_rank=r, group_size=2))]
+
+    def run(pids, seqs, dt):
+        return [e for s in seqs for r, pid in enumerate(pids) for e in (
+            ev.CollEnter(pid=pid, rank=r, ts_ns=t + dt + 1000 * s + r, backend="gloo", comm="j/gloo:0", seq=s,
+                         op="allreduce"),
+            ev.WorkEnd(pid=pid, rank=r, ts_ns=t + dt + 1000 * s + 500, comm="j/gloo:0", seq=s))]
+
+    tl = Timeline()
+    tl.ingest(frame("a0", "n0", 1, [clock] + announce([100, 101]) + run([100, 101], range(1, 6), 0)), 1.0)
+    held = tl.comms["j/gloo:0"].colls[3]
+    before = dict(held.enter)
+    assert before == {0: pytest.approx((t + 3000) / 1e9 + 1e9), 1: pytest.approx((t + 3001) / 1e9 + 1e9)}
+    tl.ingest(frame("a0", "n0", 2, announce([100, 201]) + run([100, 201], range(1, 6), 10 ** 9)), 2.0)
+    new = tl.comms["j/gloo:0"]
+    assert new.resets == 1 and new.colls[3].enter[1] > before[1] + 0.5
+    assert held.enter == before and held.ops == {0: "allreduce", 1: "allreduce"}

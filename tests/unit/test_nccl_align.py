@@ -150,6 +150,17 @@ def test_mid_run_attach_aligns_exactly_and_a_hang_is_named_on_it():
     assert found[0].evidence["waiting"] == [0, 1, 3]
 
 
+def test_a_rank_that_left_an_aligned_communicator_is_a_member_again_at_its_next_enter():
+    job = NcclJob()
+    stream = mixed(200)
+    t = job.run(stream, 0, 120, T0 + 1, small_jitter)
+    g = job.tl.comms["job/nccl:aligned-r0-7f3a0000"]
+    g.drop_member(2)  # as align.watch does when rank 2's handle is announced again
+    assert g.members == {0, 1, 3}
+    job.run(stream, 120, 124, T0 + 1, small_jitter)
+    assert g.members == {0, 1, 2, 3} and set(g.colls[123].enter) == {0, 1, 2, 3}
+
+
 def test_identical_calls_are_aligned_by_enter_times():
     job = NcclJob()
     stream = [(nccl.FN_ALLREDUCE, 1 << 20, F32)] * 200
