@@ -243,6 +243,8 @@ class CollStore:
     def take_slots(self, owners: List[CommCols]) -> List[int]:
         """A slot (entries cleared) for a new collective of each communicator in `owners`."""
         n = len(owners)
+        if not n:  # free_slots[-0:] is every free slot
+            return []
         while len(self.free_slots) < n:
             self._more_slots(max(64, 2 * self.slot_cap, self.slot_cap + n))
         got = self.free_slots[-n:][::-1]

@@ -109,7 +109,8 @@ class Comm:
     completed: int = 0
     resets: int = 0
     expected: FrozenSet[int] = frozenset()                 # expected_members' answer, while expected_key holds
-    expected_key: Tuple[int, ...] = (-2, -2, -2, -2)
+    expected_key: Tuple[Any, ...] = (-2,)                 # never computed
+    dropped: int = 0                                       # members removed (drop_member)
     expected_world: int = -1                               # the world `expected` is range() of, -1: members
     group_of: Dict[int, int] = field(default_factory=dict)     # global rank -> group rank (CommInit)
     global_by_group: Dict[int, int] = field(default_factory=dict)  # its inverse
@@ -139,6 +140,7 @@ class Comm:
         """`rank` is no longer one of its members; its next enter makes it one again (collapply.py adds a
         rank once per cell, so the cell forgets that it did)."""
         self.members.discard(rank)
+        self.dropped += 1  # in expected_members' key: a rank added back later leaves the count as it was
         if self.store is not None and self.cols is not None:
             col = self.cols.col_of.get(rank)
             if col is not None:

@@ -308,7 +308,7 @@ class Timeline:
         world = self.jobs.get(comm.job, -1) if comm.job else -1
         seen = self.job_ranks.get(comm.job, 0)
         # Asked for every WorkEnd: building range(world) each time made a collective cost O(world^2).
-        key = (world, comm.group_size, len(comm.members), seen)
+        key = (world, comm.group_size, len(comm.members), seen, comm.members_only, comm.dropped)
         if comm.expected_key != key:
             spans = world > 0 and (comm.group_size < 0 or comm.group_size == world) \
                 and world <= 2 * seen + SMALL_WORLD and not comm.members_only

@@ -112,3 +112,14 @@ def test_a_view_held_across_a_restart_keeps_the_old_communicators_collective():
     new = tl.comms["j/gloo:0"]
     assert new.resets == 1 and new.colls[3].enter[1] > before[1] + 0.5
     assert held.enter == before and held.ops == {0: "allreduce", 1: "allreduce"}
+
+
+def test_asking_for_no_slots_takes_none():
+    st = CollStore()
+    c = st.new_comm()
+    got = st.take_slots([c, c, c])
+    st.release(c, got[0])
+    st.settle()
+    free = list(st.free_slots)
+    assert st.take_slots([]) == [] and st.free_slots == free
+    assert len(st.take_slots([c])) == 1

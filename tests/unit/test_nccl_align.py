@@ -269,3 +269,15 @@ def test_match_decides_by_ops_then_times():
     assert align.match(a, _stream([("allgather", 1, "bf16")] * 40, times[:40])).reason == "no-match"
     halfway = _stream(ops[30:], [x + 0.05 * 2.5 for x in times[30:]])  # 2.5 calls late: 5 off is as near
     assert align.match(a, halfway).reason == "ambiguous"
+
+
+def test_expected_members_follow_a_rank_swapped_for_another_at_the_same_count():
+    job = NcclJob()
+    job.run(mixed(200), 0, 120, T0 + 1, small_jitter)
+    tl = job.tl
+    name = "job/nccl:aligned-r0-7f3a0000"
+    g = tl.comms[name]
+    assert tl.expected_members(name) == {0, 1, 2, 3}
+    g.drop_member(2)
+    g.members.add(9)  # as many members as before, one of them another
+    assert tl.expected_members(name) == {0, 1, 3, 9}
