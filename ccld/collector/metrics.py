@@ -147,12 +147,12 @@ class CollectorMetrics:
             fold.folded &= comm.colls.keys()
             for seq, v in comm.colls.items():
                 fold.seen_upto = max(fold.seen_upto, seq)
-                if v.completed_at is None or seq in fold.folded or not v.enter:
+                if v.completed_at is None or seq in fold.folded or not v.entered():
                     continue
                 fold.folded.add(seq)
-                last = v.last_enter()
+                _, first, last = v.enter_span()
                 fold.duration.setdefault(v.op, _Hist()).observe(max(0.0, v.completed_at - last))
-                fold.spread.setdefault(v.op, _Hist()).observe(last - v.first_enter())
+                fold.spread.setdefault(v.op, _Hist()).observe(last - first)
 
     def _timeline_families(self, tl, now: float) -> List[Metric]:
         dur = HistogramMetricFamily("ccld_collective_duration_seconds",

@@ -70,8 +70,8 @@ def _span(st: _CommState, v: CollView) -> Tuple[float, float, float]:
     """(completed_at, first enter, last enter) of a completed collective, cached: O(ranks) once."""
     got = st.spans.get(v.seq)
     if got is None or got[0] != v.completed_at:  # not seen, or a rebuilt group reused the seq
-        enters = v.enter.values()
-        got = st.spans[v.seq] = (v.completed_at, min(enters), max(enters))
+        _, first, last = v.enter_span()
+        got = st.spans[v.seq] = (v.completed_at, first, last)
     return got
 
 
@@ -94,7 +94,7 @@ def _newest(comm: Comm, now: float) -> Dict[str, List[CollView]]:
     """Per op, the completed collectives of the last RECENT_S, or the last RECENT_N if more, newest first."""
     out: Dict[str, List[CollView]] = {}
     for v in reversed(comm.colls.values()):
-        if v.completed_at is None or not v.enter:
+        if v.completed_at is None or not v.entered():
             continue
         if v.completed_at < now - RECENT_S and out and all(len(x) >= RECENT_N for x in out.values()):
             break
@@ -110,7 +110,7 @@ def _baselines(comm: Comm, newest: Dict[str, List[CollView]], st: _CommState) ->
     skip = {id(v) for vs in newest.values() for v in vs}
     durs: Dict[str, List[float]] = {}
     for v in comm.colls.values():
-        if v.completed_at is not None and v.enter and id(v) not in skip:
+        if v.completed_at is not None and v.entered() and id(v) not in skip:
             durs.setdefault(v.op, []).append(_duration(st, v))
     out = {}
     for op, d in durs.items():
@@ -130,7 +130,7 @@ def _any_slow(comm: Comm, st: _CommState) -> bool:
             break
         n += 1
         top = max(top, v.seq)
-        if v.completed_at is None or not v.enter:
+        if v.completed_at is None or not v.entered():
             lowest_open = v.seq  # screened once it completes
             continue
         base = st.base.get(v.op)

@@ -77,7 +77,7 @@ def _active_since(tl: Timeline, comm: Comm, rank: int) -> float:
 def _last_activity(comm: Comm, rank: int) -> Optional[float]:
     """When `rank` last did anything on `comm` that the probes saw: entered, started or ended one of
     its two newest collectives there (the newer may be waiting while the older ends)."""
-    last = comm.last_entered.get(rank)
+    last = comm.last_entered_of(rank)
     if last is None:
         return None
     best = last[2]

@@ -84,6 +84,14 @@ class Judged:
     spread: Optional[Dict[str, Any]] = None
 
 
+def level_summary(seq: int, op: str, lo: float, hi: float, completed_at: float,
+                  first: Optional[float] = None) -> CollSummary:
+    """The summary of an instance whose values (lo..hi) all lie within PRE_LAG_S (most collectives):
+    nobody late, and half the spread bounds the MAD (its noise weight is below LAG_FLOOR_S anyway)."""
+    return CollSummary(seq, op, lo if first is None else first, completed_at, (hi - lo) / 2, (), (hi - lo) / 2, (),
+                       (-1, hi - lo))
+
+
 def summarize_values(seq: int, op: str, values: Dict[int, float], completed_at: float,
               first: Optional[float] = None) -> Optional[CollSummary]:
     """The summary of one instance: `values` rank -> enter time or duration (s); `first` its earliest
@@ -93,10 +101,8 @@ def summarize_values(seq: int, op: str, values: Dict[int, float], completed_at: 
         return None
     if n <= SMALL_GROUP:  # numpy's per-call overhead dominates below a few dozen values
         lo, hi = min(values.values()), max(values.values())
-        if hi - lo <= PRE_LAG_S:  # all level within a millisecond (most collectives): nobody late, and
-            # half the spread bounds the MAD (its noise weight is below LAG_FLOOR_S anyway)
-            return CollSummary(seq, op, lo if first is None else first, completed_at, (hi - lo) / 2, (),
-                               (hi - lo) / 2, (), (-1, hi - lo))
+        if hi - lo <= PRE_LAG_S:
+            return level_summary(seq, op, lo, hi, completed_at, first)
         order = sorted(values.items(), key=lambda p: p[1])
         times = [x for _, x in order]
         ref = times[0] if n == 2 else _mid(times)

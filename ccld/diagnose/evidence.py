@@ -41,7 +41,7 @@ def open_collective(tl: Timeline, job: str, rank: int, skip: Optional[str] = Non
     for c in waits.comms_of(tl, job, rank):
         if c.id == skip:
             continue
-        last = c.last_entered.get(rank)
+        last = c.last_entered_of(rank)
         if last is None:
             continue
         view = c.colls.get(last[0])
@@ -123,7 +123,7 @@ def doing(tl: Timeline, comm: Comm, rank: int, rec: Optional[RankRecord]) -> Tup
 def rank_evidence(tl: Timeline, comm: Comm, rank: int, now: float) -> Dict[str, Any]:
     """What `rank` is doing, as far as the timeline knows (JSON-ready)."""
     out: Dict[str, Any] = {"rank": rank}
-    last = comm.last_entered.get(rank)
+    last = comm.last_entered_of(rank)
     out["last_entered"] = None if last is None else {"seq": last[0], "op": last[1], "at": _r(last[2])}
     rec = tl.rank_record(comm.job, rank)
     out["doing"], out["doing_text"] = doing(tl, comm, rank, rec)

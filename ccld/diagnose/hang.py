@@ -97,7 +97,7 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
     at time `now`, or None."""
     seq = comm.max_seq
     view: Optional[CollView] = comm.colls.get(seq) if seq >= 0 else None
-    if view is None or not view.enter or (view.completed_at is not None and not view.failed):
+    if view is None or (view.completed_at is not None and not view.failed) or not view.entered():
         return None  # the common case (completed), answered without looking at any rank
     expected = tl.expected_members(comm.id)
     if len(expected) < 2:
@@ -226,7 +226,7 @@ def check_all(tl: Timeline, now: float, floor_s: Optional[float] = None, k: floa
     for comm in list(tl.comms.values()):
         seq = comm.max_seq
         view = comm.colls.get(seq) if seq >= 0 else None
-        if view is None or not view.enter or (view.completed_at is not None and not view.failed):
+        if view is None or (view.completed_at is not None and not view.failed) or not view.entered():
             continue  # check_comm's first test, without the call: most communicators, most ticks
         if blind is None:
             blind = Blindness(tl, now)

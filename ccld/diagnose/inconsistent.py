@@ -214,8 +214,7 @@ class InconsistencyChecker:
                 view = comm.colls.get(s)
                 if view is None:
                     continue
-                if contiguous and view.completed_at is not None and len(set(view.ops.values())) <= 1 \
-                        and len(set(view.sizes.values())) <= 1:
+                if contiguous and view.completed_at is not None and view.uniform():
                     ok_upto = s  # completed and consistent: never looked at again
                     continue
                 contiguous = False

@@ -98,7 +98,7 @@ def _newest_enter(tl: Timeline, job: str, rank: int) -> Tuple[float, Optional[Tu
     still open on it)."""
     best, got = float("-inf"), None
     for c in comms_of(tl, job, rank):
-        last = c.last_entered.get(rank)
+        last = c.last_entered_of(rank)
         if last is None or last[2] <= best:
             continue
         best = last[2]

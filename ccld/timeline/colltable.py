@@ -34,6 +34,7 @@ NAMES: List[str] = []
 RANK_BITS = 20              # cell key = communicator code << RANK_BITS | global rank (ranks < 2**17)
 SEQ_BITS = 41               # slot key = communicator code << SEQ_BITS + seq + SEQ_SPAN ...
 SEQ_SPAN = 1 << 39          # ... for seqs in [-SEQ_SPAN, SEQ_SPAN) (collrows.py drops others, counted)
+SMALL_ROW = 32              # columns read as Python values below this (see row())
 
 
 def code_of(name: str) -> int:
@@ -331,27 +332,84 @@ class CollStore:
 
     # ---- reading ----------------------------------------------------------------------------------
 
+    # Below SMALL_ROW columns a row is read as Python values: numpy's per-call cost (a mask, its
+    # indices, two gathers) was most of a small group's read, and most groups are small.
+
     def row(self, arr: np.ndarray, slot: int, cols: CommCols) -> Dict[int, float]:
         base = int(self.base[slot])
-        r = arr[base:base + cols.ncols]
+        n = cols.ncols
+        if n <= SMALL_ROW:
+            return {r: x for r, x in zip(cols.ranks, arr[base:base + n].tolist()) if x == x}  # x == x: not NaN
+        r = arr[base:base + n]
         idx = np.flatnonzero(~np.isnan(r))
         return dict(zip(cols.ranks_np()[idx].tolist(), r[idx].tolist()))
 
+    def span(self, arr: np.ndarray, slot: int, cols: CommCols) -> Tuple[int, float, float]:
+        """(how many, smallest, largest) of the slot's reported values in `arr` (NaN: not reported);
+        (0, nan, nan) when none is."""
+        base = int(self.base[slot])
+        n = cols.ncols
+        if n <= SMALL_ROW:
+            xs = [x for x in arr[base:base + n].tolist() if x == x]
+            return (len(xs), min(xs), max(xs)) if xs else (0, np.nan, np.nan)
+        r = arr[base:base + n]
+        r = r[~np.isnan(r)]
+        return (len(r), float(r.min()), float(r.max())) if len(r) else (0, np.nan, np.nan)
+
     def ops_row(self, slot: int, cols: CommCols) -> Dict[int, str]:
         base = int(self.base[slot])
-        r = self.op[base:base + cols.ncols]
-        idx = np.flatnonzero(r >= 0)
+        n = cols.ncols
         names = NAMES
+        if n <= SMALL_ROW:
+            return {r: names[c] for r, c in zip(cols.ranks, self.op[base:base + n].tolist()) if c >= 0}
+        r = self.op[base:base + n]
+        idx = np.flatnonzero(r >= 0)
         return dict(zip(cols.ranks_np()[idx].tolist(), [names[c] for c in r[idx].tolist()]))
 
     def sizes_row(self, slot: int, cols: CommCols) -> Dict[int, Tuple[int, str, int]]:
         base = int(self.base[slot])
         z = slice(base, base + cols.ncols)
         c, d, b = self.count[z], self.dtype[z], self.nbytes[z]
-        idx = np.flatnonzero((c >= 0) | (d >= 0) | (b >= 0))
         names = NAMES
+        if cols.ncols <= SMALL_ROW:
+            return {r: (cc, names[dd] if dd >= 0 else "", bb) for r, cc, dd, bb in
+                    zip(cols.ranks, c.tolist(), d.tolist(), b.tolist()) if cc >= 0 or dd >= 0 or bb >= 0}
+        idx = np.flatnonzero((c >= 0) | (d >= 0) | (b >= 0))
         return {r: (cc, names[dd] if dd >= 0 else "", bb) for r, cc, dd, bb in
                 zip(cols.ranks_np()[idx].tolist(), c[idx].tolist(), d[idx].tolist(), b[idx].tolist())}
+
+    def uniform(self, slot: int, cols: CommCols) -> bool:
+        """Whether every member that reported an op for the slot's collective reported the same op and
+        the same size (count, dtype, bytes): len(set(ops_row)) <= 1 and len(set(sizes_row)) <= 1,
+        without building either."""
+        base = int(self.base[slot])
+        n = cols.ncols
+        z = slice(base, base + n)
+        if n <= SMALL_ROW:
+            ops = {o for o in self.op[z].tolist() if o >= 0}
+            if len(ops) > 1:
+                return False
+            sizes = {s for s in zip(self.count[z].tolist(), self.dtype[z].tolist(), self.nbytes[z].tolist())
+                     if s[0] >= 0 or s[1] >= 0 or s[2] >= 0}
+            return len(sizes) <= 1
+        o = self.op[z]
+        o = o[o >= 0]
+        if len(o) and (o != o[0]).any():
+            return False
+        c, d, b = self.count[z], self.dtype[z], self.nbytes[z]
+        has = (c >= 0) | (d >= 0) | (b >= 0)
+        if not has.any():
+            return True
+        c, d, b = c[has], d[has], b[has]
+        return not ((c != c[0]).any() or (d != d[0]).any() or (b != b[0]).any())
+
+    def last_entered_cell(self, cell: int) -> Optional[Tuple[int, str, float]]:
+        """(seq, op, at) of the newest collective cell `cell`'s rank entered, None when none."""
+        seq = int(self.last_seq[cell])
+        if seq < 0:
+            return None
+        op = int(self.last_op[cell])
+        return seq, NAMES[op] if op >= 0 else "", float(self.last_t[cell])
 
     def last_entered(self, cols: CommCols) -> Dict[int, Tuple[int, str, float]]:
         cells = np.array(cols.cells, dtype=np.int64)

@@ -65,8 +65,10 @@ class CollView:
         got = cache.get(name)
         if got is not None and got[0] == v:
             return got[1]
-        if name == "ops":
-            d: Any = st.ops_row(slot, self._cols)
+        if name == "span":
+            d: Any = st.span(st.enter, slot, self._cols)
+        elif name == "ops":
+            d = st.ops_row(slot, self._cols)
         elif name == "sizes":
             d = st.sizes_row(slot, self._cols)
         else:
@@ -98,13 +100,33 @@ class CollView:
     def sizes(self) -> Dict[int, Tuple[int, str, int]]:
         return self._get("sizes")
 
+    def entered(self) -> bool:
+        """Whether any rank entered it (bool(enter), without building it)."""
+        if self._frozen is not None:
+            return bool(self._frozen["enter"])
+        return bool(self._store.n_entered[self._slot])
+
+    def enter_span(self) -> Tuple[int, float, float]:
+        """(ranks that entered, first enter, last enter), without building `enter` (nan, nan: none did)."""
+        if self._frozen is not None:
+            e = self.enter
+            return (len(e), min(e.values()), max(e.values())) if e else (0, float("nan"), float("nan"))
+        return self._get("span")
+
+    def uniform(self) -> bool:
+        """Whether the ranks that reported it agree on its op and on its size: len(set(ops.values())) <= 1
+        and len(set(sizes.values())) <= 1, read from the slot without building either mapping."""
+        if self._frozen is not None:
+            return len(set(self.ops.values())) <= 1 and len(set(self.sizes.values())) <= 1
+        return self._store.uniform(self._slot, self._cols)
+
     def first_enter(self) -> Optional[float]:
-        e = self.enter
-        return min(e.values()) if e else None
+        n, first, _ = self.enter_span()
+        return first if n else None
 
     def last_enter(self) -> Optional[float]:
-        e = self.enter
-        return max(e.values()) if e else None
+        n, _, last = self.enter_span()
+        return last if n else None
 
     def __repr__(self) -> str:
         return f"CollView(comm={self.comm!r}, seq={self.seq}, op={self.op!r}, enter={self.enter}, end={self.end})"

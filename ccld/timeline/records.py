@@ -136,6 +136,13 @@ class Comm:
             self._last = (st.last_version, st.last_entered(self.cols))
         return self._last[1]
 
+    def last_entered_of(self, rank: int) -> Optional[Tuple[int, str, float]]:
+        """last_entered's value for one rank (None: it entered none), read from its cell alone."""
+        if self.store is None or self.cols is None:
+            return None
+        col = self.cols.col_of.get(rank)
+        return None if col is None else self.store.last_entered_cell(self.cols.cells[col])
+
     def drop_member(self, rank: int) -> None:
         """`rank` is no longer one of its members; its next enter makes it one again (collapply.py adds a
         rank once per cell, so the cell forgets that it did)."""

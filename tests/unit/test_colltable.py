@@ -112,6 +112,7 @@ def test_a_view_held_across_a_restart_keeps_the_old_communicators_collective():
     new = tl.comms["j/gloo:0"]
     assert new.resets == 1 and new.colls[3].enter[1] > before[1] + 0.5
     assert held.enter == before and held.ops == {0: "allreduce", 1: "allreduce"}
+    assert held.entered() and held.uniform() and held.enter_span() == (2, before[0], before[1])
 
 
 def test_asking_for_no_slots_takes_none():
@@ -123,3 +124,43 @@ def test_asking_for_no_slots_takes_none():
     free = list(st.free_slots)
     assert st.take_slots([]) == [] and st.free_slots == free
     assert len(st.take_slots([c])) == 1
+
+
+@pytest.mark.parametrize("n", [3, 32, 33, 300])  # both sides of SMALL_ROW
+def test_array_reads_answer_as_the_mappings_would(n):
+    """span, uniform, entered and last_entered_cell, read from the arrays, against what the mappings
+    (row, ops_row, sizes_row, last_entered) built from the same slot say: random slots with ranks
+    missing, ops or sizes differing, and none reported at all."""
+    from ccld.timeline.colltable import code_of
+    rnd = random.Random(n)
+    st = CollStore()
+    cols = st.new_comm()
+    ranks = rnd.sample(range(10_000), n)
+    cells = [st.cell(cols, r, node=0, pid=r, rec=None) for r in ranks]
+    ops = [code_of("allreduce"), code_of("broadcast")]
+    dts = [code_of("float32"), code_of("bfloat16")]
+    for trial in range(60):
+        slot = st.take_slots([cols])[0]
+        base = int(st.base[slot])
+        report = rnd.choice([0.0, 0.5, 1.0])
+        odd_op, odd_size = rnd.random() < 0.3, rnd.random() < 0.3
+        for col in range(n):
+            if rnd.random() < report:
+                st.enter[base + col] = 1000.0 + rnd.random()
+                st.op[base + col] = ops[1] if odd_op and rnd.random() < 0.2 else ops[0]
+                big = odd_size and rnd.random() < 0.2
+                st.count[base + col], st.dtype[base + col] = (8 if big else 4), dts[0]
+                st.nbytes[base + col] = -1 if trial % 2 else (32 if big else 16)
+                st.n_entered[slot] += 1
+        enter = st.row(st.enter, slot, cols)
+        k, lo, hi = st.span(st.enter, slot, cols)
+        assert k == len(enter)
+        if enter:
+            assert (lo, hi) == (min(enter.values()), max(enter.values()))
+        want = len(set(st.ops_row(slot, cols).values())) <= 1 and len(set(st.sizes_row(slot, cols).values())) <= 1
+        assert st.uniform(slot, cols) == want
+        st.last_seq[cells[trial % n]], st.last_op[cells[trial % n]], st.last_t[cells[trial % n]] = trial, ops[0], 5.0
+        last = st.last_entered(cols)
+        assert [st.last_entered_cell(c) for c in cells] == [last.get(r) for r in ranks]
+        st.release(cols, slot)
+        st.settle()
