@@ -213,8 +213,9 @@ def _careful(tl: Timeline, rows: _Batch, which: np.ndarray, keep: np.ndarray, ce
 
 def _views(tl: Timeline, rows: _Batch, idx: np.ndarray, first_op: Any) -> Tuple[np.ndarray, List[Any], np.ndarray]:
     """(each row's slot, -1 where its collective fell out of the bound; the views, one per collective
-    (communicator, seq) of these rows, those not held yet made in the order of their first rows; each
-    row's index into them). A collective evicted already is late: each of its rows counted."""
+    (communicator, seq) of these rows, those not held yet made in seq order, as eviction takes the
+    first made: a frame's blocks go op by op, all-reduce 523's rows before barrier 510's; each row's
+    index into them). A collective evicted already is late: each of its rows counted."""
     keys = (rows.comm[idx] << SEQ_BITS) + (rows.seq[idx] + SEQ_SPAN)
     ukeys, first, inv = np.unique(keys, return_index=True, return_inverse=True)
     views: List[Any] = [None] * len(ukeys)
@@ -222,7 +223,7 @@ def _views(tl: Timeline, rows: _Batch, idx: np.ndarray, first_op: Any) -> Tuple[
     heads = idx[first]
     codes, seqs = rows.comm[heads].tolist(), rows.seq[heads].tolist()
     comms = rows.comms
-    for k in np.argsort(first, kind="stable").tolist():
+    for k in range(len(ukeys)):  # np.unique sorted the keys: by communicator, then seq
         v = comms[codes[k]].colls.get(seqs[k])
         if v is None:
             missing.append(k)

@@ -164,3 +164,31 @@ def test_array_reads_answer_as_the_mappings_would(n):
         assert [st.last_entered_cell(c) for c in cells] == [last.get(r) for r in ranks]
         st.release(cols, slot)
         st.settle()
+
+
+def test_the_collectives_past_the_bound_that_go_are_the_oldest_even_when_a_frame_lists_them_op_by_op(monkeypatch):
+    """A frame's column blocks go one per op: all of its all-reduces (odd seqs), then its barriers (even
+    seqs). With room for 8 collectives, seqs 13-20 stay and everything up to 12 is gone, as when the
+    collectives came one at a time (the views were made in the rows' order: all-reduce 19 before
+    barrier 2, so barriers 2-12 stayed and newer all-reduces went)."""
+    from ccld.timeline import comms
+    monkeypatch.setattr(comms, "MAX_COLLS_PER_COMM", 8)
+    monkeypatch.setattr(comms, "MIN_COLLS_PER_COMM", 8)
+    t = T0_NS
+    clock = ev.ClockSample(mono_ns=t, wall_ns=t + 10 ** 18, ts_ns=t)
+    evs = [clock]
+    for r in range(2):
+        evs += [ev.RankInfo(pid=100 + r, rank=r, world_size=2, local_rank=r, node="n0", job="j", ts_ns=t),
+                ev.CommInit(pid=100 + r, rank=r, ts_ns=t, backend="gloo", comm="j/gloo:0", group_rank=r,
+                            group_size=2)]
+    for s in range(1, 21):
+        for r in range(2):
+            evs += [ev.CollEnter(pid=100 + r, rank=r, ts_ns=t + 1000 * s, backend="gloo", comm="j/gloo:0", seq=s,
+                                 op="allreduce" if s % 2 else "barrier"),
+                    ev.WorkEnd(pid=100 + r, rank=r, ts_ns=t + 1000 * s + 500, comm="j/gloo:0", seq=s)]
+    batch = frame("a0", "n0", 1, evs)
+    assert [b.same.get("op") for b in batch.blocks if b.kind == "coll"] == ["allreduce", "barrier"]
+    tl = Timeline()
+    tl.ingest(batch, 1.0)
+    comm = tl.comms["j/gloo:0"]
+    assert sorted(comm.colls) == list(range(13, 21)) and comm.evicted_upto == 12
