@@ -2,7 +2,8 @@
 reaches the timeline, how much memory it holds per rank, and what a diagnosis tick costs.
 
 Simulated agents: SENDERS processes, each playing a share of the job's nodes (RANKS_PER_NODE ranks and
-one agent id per node), every node sending a frame each 100 ms as the real shipper does, with the
+one agent id per node), every node sending a frame each 100 ms that it has events, else a heartbeat
+frame (its clock sample alone) once a second, as the real shipper does, with the
 events of the collectives its ranks did in that interval: the world communicator at --rate collectives
 per second plus one collective of the node's own 8-rank group per world collective, each rank
 entering (ring-ordered arrivals with noise), starting and ending it. Real ZeroMQ PUSH sockets, real
@@ -43,7 +44,8 @@ from results import write_section  # noqa: E402
 
 RANKS_PER_NODE = 8
 SENDERS = 4
-FRAME_S = 0.1          # the shipper's batch period
+FRAME_S = 0.1          # the shipper's batch period (tracer/shipper.py FLUSH_INTERVAL_MS) ...
+HEARTBEAT_TICKS = 10   # ... and with nothing to send, its heartbeat frame once a second (HEARTBEAT_S)
 JOB = "scale:29500"
 
 
@@ -61,6 +63,7 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
     batch_no = {n: 0 for n in nodes}
     t_start = time.monotonic()
     first = True
+    tick = 0
     seq_world = 0
     next_frame = t_start
     while time.monotonic() - t_start < seconds:
@@ -104,6 +107,8 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
                                     "comm": comm, "seq": seq, "op": "allreduce"})
                         evs.append({"k": "start", "pid": pid, "rank": r, "ts_ns": t + 3_000_000, "comm": comm, "seq": seq})
                         evs.append({"k": "end", "pid": pid, "rank": r, "ts_ns": t + 8_000_000, "comm": comm, "seq": seq})
+            if not blocks and not first and tick % HEARTBEAT_TICKS:
+                continue  # nothing to send: the shipper sends its heartbeat (a clock sample) once a second
             batch_no[n] += 1
             env = {"v": [ev.SCHEMA_MAJOR, ev.SCHEMA_MINOR], "agent": f"agent-{n}", "node": node,
                    "batch": batch_no[n], "events": evs}
@@ -117,6 +122,7 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
             except zmq.Again:
                 dropped += 1  # the real shipper would keep the events in its bounded queue; here: counted
         first = False
+        tick += 1
         time.sleep(max(0.0, next_frame - time.monotonic()))
     print(json.dumps({"sent": sent, "events": events, "dropped": dropped, "elapsed": time.monotonic() - t_start}),
           flush=True)
@@ -233,7 +239,8 @@ def write_results(rows: List[Dict[str, Any]], cmd: str) -> None:
     body = f"""### Collector at scale: simulated agents for {sizes[0]:,} to {sizes[-1]:,} ranks
 
 `{cmd}` as root on {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}. {SENDERS} sender processes play the nodes
-({RANKS_PER_NODE} ranks and one agent each, a frame per node every 100 ms); the job does `rate` world
+({RANKS_PER_NODE} ranks and one agent each; as the shipper does, a frame every 100 ms in which a node has
+events, else a heartbeat frame once a second); the job does `rate` world
 all-reduces a second plus one 8-rank-group collective per node each time, every rank entering (ring-ordered
 arrivals with noise), starting and ending each; {r0['seconds']:g} s of sending, then the collector drains what
 is queued. Collector in this process, storing to disk. Frames: collective events as column blocks
@@ -255,10 +262,12 @@ Goals: >= 1,000,000 events/s on one core; p99 <= 100 ms at 4,096 ranks; memory b
 tick <= 20 ms at 4,096 and <= 100 ms at 16,384. Senders and collector share the machine's 2 CPUs, so
 offered loads above what the senders can make, or above what the collector gets of the CPUs, queue in
 ZeroMQ (bounded per agent by RCVHWM) and latency grows with the backlog: read latency at the low rate.
-What bounds ingest (profiled in-process, 2026-12-04): Python per frame and per column block, not per
-row: decoding ~4 us a frame plus ~4 us a block of 8 rows, gathering a block's columns ~7 us; the rows
-themselves are applied with array operations. Then per collective made or completed (its view object,
-completion, eviction, the clock refinement per agent) and the garbage collector. Memory is bounded by the timeline's
+What bounds ingest (profiled in-process, the collector's own path, 2026-12-04): Python per frame and per
+column block, not per row. A heartbeat frame costs ~17 us (decode ~3.5, the resend peek ~2, the
+timeline's per-frame work); a frame of 6 blocks of 8 rows ~210 us, of which decoding and checking the
+blocks ~40 % and gathering their columns ~20 % (cProfile shares); the rows themselves are applied with
+array operations, then Python per collective made or completed (its view object, completion,
+eviction, the clock refinement per agent) and the garbage collector. Memory is bounded by the timeline's
 per-communicator bounds (at most ~1M per-rank entries per communicator), not by the run's length."""
     write_section("collector_scale", body)
 

@@ -213,9 +213,8 @@ def _careful(tl: Timeline, rows: _Batch, which: np.ndarray, keep: np.ndarray, ce
 
 def _views(tl: Timeline, rows: _Batch, idx: np.ndarray, first_op: Any) -> Tuple[np.ndarray, List[Any], np.ndarray]:
     """(each row's slot, -1 where its collective fell out of the bound; the views, one per collective
-    (communicator, seq) of these rows, those not held yet made in seq order, as eviction takes the
-    first made: a frame's blocks go op by op, all-reduce 523's rows before barrier 510's; each row's
-    index into them). A collective evicted already is late: each of its rows counted."""
+    (comm, seq) of these rows, those not held yet made in seq order (eviction takes the first made; a
+    frame's blocks go op by op); each row's index into them). An evicted collective's rows are late."""
     keys = (rows.comm[idx] << SEQ_BITS) + (rows.seq[idx] + SEQ_SPAN)
     ukeys, first, inv = np.unique(keys, return_index=True, return_inverse=True)
     views: List[Any] = [None] * len(ukeys)
