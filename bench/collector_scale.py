@@ -16,6 +16,7 @@ Caveat: senders and collector share this machine's CPUs; the figures are floors.
 
     .venv/bin/python bench/collector_scale.py [--ranks 1024,4096,16384] [--seconds 20] [--rate 2 | --rates 2,10,50]
         [--compare-rate 100] [--drain-s 120] [--rows] [--write-results]
+    .venv/bin/python bench/collector_scale.py --profile-ingest --ranks 16384 --rate 2 --seconds 4 [--cprofile]
 """
 from __future__ import annotations
 
@@ -51,6 +52,52 @@ JOB = "scale:29500"
 
 # ---- a sender process: a share of the nodes ------------------------------------------------------------
 
+def node_frame(n: int, world: int, seqs: List[int], now_ns: int, wall_ns: int, first: bool, columns: bool,
+               rnd: random.Random, batch: int, beat: bool) -> Any:
+    """(frame, events in it) of node n for one 100 ms interval in which collectives `seqs` of the world
+    completed; None when it has nothing to send and no heartbeat is due (`beat`)."""
+    world_comm = f"{JOB}/gloo:0"
+    # the clock sample first, as the shipper sends its ClockSync: the frame's events convert with it
+    evs: List[Dict[str, Any]] = [{"k": "clock", "mono_ns": now_ns, "wall_ns": wall_ns, "ts_ns": now_ns}]
+    node = f"node{n}"
+    if first:
+        for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE):
+            evs.append(ev.RankInfo(pid=1000 + r, rank=r, world_size=world, local_rank=r % RANKS_PER_NODE,
+                                   node=node, job=JOB, ts_ns=now_ns).to_wire())
+            for comm, size in ((world_comm, world), (f"{JOB}/gloo:{1 + n}", RANKS_PER_NODE)):
+                evs.append(ev.CommInit(pid=1000 + r, rank=r, ts_ns=now_ns, backend="gloo", comm=comm,
+                                       group_rank=r if size == world else r % RANKS_PER_NODE,
+                                       group_size=size).to_wire())
+    blocks: List[Dict[str, Any]] = []
+    node_ranks = range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)
+    for comm in (world_comm, f"{JOB}/gloo:{1 + n}"):
+        rows = []  # (seq, pid, rank, enter ns) in seq order, as the shipper sorts them
+        for s in seqs:
+            for r in node_ranks:
+                lag = int(((r * 7919) % world) / world * 2e6 + rnd.random() * 1e6)  # ring order + noise
+                rows.append((s, 1000 + r, r, now_ns - 50_000_000 + lag))
+        if not rows:
+            continue
+        seq_c, pid_c, rank_c, t_c = (list(c) for c in zip(*rows))
+        if columns:
+            for kind, same, dt in (("coll", {"backend": "gloo", "comm": comm, "op": "allreduce"}, 0),
+                                   ("start", {"comm": comm}, 3_000_000), ("end", {"comm": comm}, 8_000_000)):
+                cols = {"seq": seq_c, "pid": pid_c, "rank": rank_c, "ts_ns": [t + dt for t in t_c]}
+                blocks.append({"k": kind, "n": len(rows), "at": len(evs), "same": same, "cols": cols})
+        else:
+            for seq, pid, r, t in rows:
+                evs.append({"k": "coll", "pid": pid, "rank": r, "ts_ns": t, "backend": "gloo",
+                            "comm": comm, "seq": seq, "op": "allreduce"})
+                evs.append({"k": "start", "pid": pid, "rank": r, "ts_ns": t + 3_000_000, "comm": comm, "seq": seq})
+                evs.append({"k": "end", "pid": pid, "rank": r, "ts_ns": t + 8_000_000, "comm": comm, "seq": seq})
+    if len(evs) == 1 and not blocks and not beat:
+        return None  # nothing but the clock sample: the shipper sends that (its heartbeat) once a second
+    env = {"v": [ev.SCHEMA_MAJOR, ev.SCHEMA_MINOR], "agent": f"agent-{n}", "node": node, "batch": batch, "events": evs}
+    if blocks:
+        env["blocks"] = blocks
+    return msgpack.packb(env, use_bin_type=True), len(evs) + sum(b["n"] for b in blocks)
+
+
 def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float, seconds: float,
            columns: bool = True) -> None:
     ctx = zmq.Context()
@@ -59,12 +106,10 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(endpoint)
     rnd = random.Random(index)
-    world_comm, sent, events, dropped = f"{JOB}/gloo:0", 0, 0, 0
+    sent, events, dropped = 0, 0, 0
     batch_no = {n: 0 for n in nodes}
     t_start = time.monotonic()
-    first = True
-    tick = 0
-    seq_world = 0
+    tick = seq_world = 0
     next_frame = t_start
     while time.monotonic() - t_start < seconds:
         next_frame += FRAME_S
@@ -74,60 +119,77 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
         seq_world += len(seqs)
         now_ns, wall_ns = time.monotonic_ns(), time.time_ns()
         for n in nodes:
-            # the clock sample first, as the shipper sends its ClockSync: the frame's events convert with it
-            evs: List[Dict[str, Any]] = [{"k": "clock", "mono_ns": now_ns, "wall_ns": wall_ns, "ts_ns": now_ns}]
-            node = f"node{n}"
-            if first:
-                for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE):
-                    evs.append(ev.RankInfo(pid=1000 + r, rank=r, world_size=world, local_rank=r % RANKS_PER_NODE,
-                                           node=node, job=JOB, ts_ns=now_ns).to_wire())
-                    for comm, size in ((world_comm, world), (f"{JOB}/gloo:{1 + n}", RANKS_PER_NODE)):
-                        evs.append(ev.CommInit(pid=1000 + r, rank=r, ts_ns=now_ns, backend="gloo", comm=comm,
-                                               group_rank=r if size == world else r % RANKS_PER_NODE,
-                                               group_size=size).to_wire())
-            blocks: List[Dict[str, Any]] = []
-            node_ranks = range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)
-            for comm in (world_comm, f"{JOB}/gloo:{1 + n}"):
-                rows = []  # (seq, pid, rank, enter ns) in seq order, as the shipper sorts them
-                for s in seqs:
-                    for r in node_ranks:
-                        lag = int(((r * 7919) % world) / world * 2e6 + rnd.random() * 1e6)  # ring order + noise
-                        rows.append((s, 1000 + r, r, now_ns - 50_000_000 + lag))
-                if not rows:
-                    continue
-                seq_c, pid_c, rank_c, t_c = (list(c) for c in zip(*rows))
-                if columns:
-                    for kind, same, dt in (("coll", {"backend": "gloo", "comm": comm, "op": "allreduce"}, 0),
-                                           ("start", {"comm": comm}, 3_000_000), ("end", {"comm": comm}, 8_000_000)):
-                        cols = {"seq": seq_c, "pid": pid_c, "rank": rank_c, "ts_ns": [t + dt for t in t_c]}
-                        blocks.append({"k": kind, "n": len(rows), "at": len(evs), "same": same, "cols": cols})
-                else:
-                    for seq, pid, r, t in rows:
-                        evs.append({"k": "coll", "pid": pid, "rank": r, "ts_ns": t, "backend": "gloo",
-                                    "comm": comm, "seq": seq, "op": "allreduce"})
-                        evs.append({"k": "start", "pid": pid, "rank": r, "ts_ns": t + 3_000_000, "comm": comm, "seq": seq})
-                        evs.append({"k": "end", "pid": pid, "rank": r, "ts_ns": t + 8_000_000, "comm": comm, "seq": seq})
-            if not blocks and not first and tick % HEARTBEAT_TICKS:
-                continue  # nothing to send: the shipper sends its heartbeat (a clock sample) once a second
+            got = node_frame(n, world, seqs, now_ns, wall_ns, tick == 0, columns, rnd, batch_no[n] + 1,
+                             tick % HEARTBEAT_TICKS == 0)
+            if got is None:
+                continue
             batch_no[n] += 1
-            env = {"v": [ev.SCHEMA_MAJOR, ev.SCHEMA_MINOR], "agent": f"agent-{n}", "node": node,
-                   "batch": batch_no[n], "events": evs}
-            if blocks:
-                env["blocks"] = blocks
-            frame = msgpack.packb(env, use_bin_type=True)
             try:
-                sock.send(frame, zmq.NOBLOCK)
+                sock.send(got[0], zmq.NOBLOCK)
                 sent += 1
-                events += len(evs) + sum(b["n"] for b in blocks)
+                events += got[1]
             except zmq.Again:
                 dropped += 1  # the real shipper would keep the events in its bounded queue; here: counted
-        first = False
         tick += 1
         time.sleep(max(0.0, next_frame - time.monotonic()))
     print(json.dumps({"sent": sent, "events": events, "dropped": dropped, "elapsed": time.monotonic() - t_start}),
           flush=True)
     sock.close()
     ctx.term()
+
+
+def profile_ingest(ranks: int, rate: float, seconds: float, cprofile: bool = False) -> Dict[str, Any]:
+    """The collector's ingest path alone, in this thread: the frames `seconds` of the job's nodes would
+    send (built first, on a simulated clock), taken and ingested as the ingest thread does
+    (Collector._take, then _ingest per GROUP_FRAMES), no sockets. The first fifth (the ranks'
+    announcements) is not timed. Returns events per CPU-second of this thread and us per frame."""
+    from ccld.collector import server
+    rnd = random.Random(1)
+    frames: List[bytes] = []
+    seq_world, t0 = 0, time.monotonic_ns()
+    for tick in range(int(seconds / FRAME_S)):
+        due = int(tick * FRAME_S * rate) - seq_world
+        seqs = list(range(seq_world + 1, seq_world + 1 + max(0, due)))
+        seq_world += len(seqs)
+        now_ns = t0 + tick * int(FRAME_S * 1e9)
+        for n in range(ranks // RANKS_PER_NODE):
+            got = node_frame(n, ranks, seqs, now_ns, time.time_ns(), tick == 0, True, rnd, tick + 1,
+                             tick % HEARTBEAT_TICKS == 0)
+            if got is not None:
+                frames.append(got[0])
+    store = tempfile.mkdtemp(prefix="ccld-scale-")
+    col = server.Collector(listen="tcp://127.0.0.1:*", store_dir=store, on_line=lambda s: None)
+
+    def take(fs: List[bytes]) -> None:
+        taken: List[Any] = []
+        for f in fs:
+            got = col._take(f, time.time())
+            if got is not None:
+                taken.append(got)
+                if len(taken) >= server.GROUP_FRAMES:
+                    col._ingest(taken)
+        col._ingest(taken)
+
+    warm = len(frames) // 5
+    take(frames[:warm])
+    e0 = sum(col.timeline.events_by_kind.values())
+    prof = None
+    if cprofile:
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+    c0 = time.thread_time()
+    take(frames[warm:])
+    cpu = time.thread_time() - c0
+    if prof is not None:
+        import pstats
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    events = sum(col.timeline.events_by_kind.values()) - e0
+    col.stop()
+    subprocess.run(["rm", "-rf", store])
+    return {"ranks": ranks, "rate": rate, "frames": len(frames) - warm, "events": events, "cpu_s": cpu,
+            "per_cpu_s": events / cpu, "us_per_frame": cpu / (len(frames) - warm) * 1e6}
 
 
 # ---- one run at one size -------------------------------------------------------------------------------
@@ -285,6 +347,10 @@ def main() -> None:
     ap.add_argument("--compare-rate", type=float, default=0.0,
                     help="also run the first size at this rate, with column blocks and with map-shaped events "
                          "(the ratio in one run; batched frames: a rate of 100 puts ~500 events in a frame)")
+    ap.add_argument("--profile-ingest", action="store_true",
+                    help="no senders: the ingest path alone, in-process, on the frames --seconds of the job would send "
+                         "(every size at every rate; events per CPU-s and us per frame)")
+    ap.add_argument("--cprofile", action="store_true", help="with --profile-ingest: print cProfile's top functions")
     ap.add_argument("--sender", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--nodes", default="", help=argparse.SUPPRESS)
@@ -297,6 +363,13 @@ def main() -> None:
     rows = []
     sizes = [int(x) for x in a.ranks.split(",")]
     rates = [float(x) for x in a.rates.split(",") if x] or [a.rate]
+    if a.profile_ingest:
+        for n in sizes:
+            for rate in rates:
+                p = profile_ingest(n, rate, a.seconds, a.cprofile)
+                print(f"{n:,} ranks x {rate:g}/s: {p['frames']:,} frames, {p['events']:,} events in {p['cpu_s']:.2f} "
+                      f"CPU-s: {p['per_cpu_s']:,.0f} events per CPU-s, {p['us_per_frame']:.1f} us per frame", flush=True)
+        return
     plan = [(n, rate, not a.rows) for n in sizes for rate in rates]
     if a.compare_rate:
         plan += [(sizes[0], a.compare_rate, True), (sizes[0], a.compare_rate, False)]
