@@ -140,34 +140,43 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
 
 def profile_ingest(ranks: int, rate: float, seconds: float, cprofile: bool = False) -> Dict[str, Any]:
     """The collector's ingest path alone, in this thread: the frames `seconds` of the job's nodes would
-    send (built first, on a simulated clock), taken and ingested as the ingest thread does
-    (Collector._take, then _ingest per GROUP_FRAMES), no sockets. The first fifth (the ranks'
-    announcements) is not timed. Returns events per CPU-second of this thread and us per frame."""
+    send (built first, on a simulated clock), taken (decoded, stored to disk) and ingested as the
+    ingest thread does (Collector._take, then _ingest per GROUP_FRAMES or GROUP_EVENTS), fed here
+    rather than through a socket, with no detector ticks. The first fifth (the ranks' announcements) is not timed. Returns events per CPU-second of this
+    thread and us per frame."""
     from ccld.collector import server
+    from ccld.store import StoreWriter
     rnd = random.Random(1)
     frames: List[bytes] = []
-    seq_world, t0 = 0, time.monotonic_ns()
+    batch_no = [0] * (ranks // RANKS_PER_NODE)
+    seq_world, t0, wall0 = 0, time.monotonic_ns(), time.time_ns()
     for tick in range(int(seconds / FRAME_S)):
         due = int(tick * FRAME_S * rate) - seq_world
         seqs = list(range(seq_world + 1, seq_world + 1 + max(0, due)))
         seq_world += len(seqs)
-        now_ns = t0 + tick * int(FRAME_S * 1e9)
-        for n in range(ranks // RANKS_PER_NODE):
-            got = node_frame(n, ranks, seqs, now_ns, time.time_ns(), tick == 0, True, rnd, tick + 1,
+        dt = tick * int(FRAME_S * 1e9)  # one clock for every node: building the frames takes no time
+        for n in range(len(batch_no)):
+            got = node_frame(n, ranks, seqs, t0 + dt, wall0 + dt, tick == 0, True, rnd, batch_no[n] + 1,
                              tick % HEARTBEAT_TICKS == 0)
             if got is not None:
+                batch_no[n] += 1
                 frames.append(got[0])
     store = tempfile.mkdtemp(prefix="ccld-scale-")
     col = server.Collector(listen="tcp://127.0.0.1:*", store_dir=store, on_line=lambda s: None)
+    col._store = StoreWriter(store)  # what start() opens, without its threads: only this one writes
+    col.acks.use_store(col._store, store)
 
     def take(fs: List[bytes]) -> None:
         taken: List[Any] = []
+        events = 0
         for f in fs:
             got = col._take(f, time.time())
             if got is not None:
                 taken.append(got)
-                if len(taken) >= server.GROUP_FRAMES:
+                events += len(got[0])
+                if len(taken) >= server.GROUP_FRAMES or events >= server.GROUP_EVENTS:
                     col._ingest(taken)
+                    events = 0
         col._ingest(taken)
 
     warm = len(frames) // 5
