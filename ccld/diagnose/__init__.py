@@ -94,6 +94,7 @@ class Diagnoser:
         self._p2p_slow = p2pslow.P2PSlowDetector()
         self._comm_slow_since: Dict[Tuple, float] = {}  # comm-slow findings being held: since when
         self._activity = activity.Activity()
+        self._aftermath = linkfaults.Aftermath()  # a link fault's rank that then exits: that fault's consequence
         self._pass: Optional[Tuple[float, List[Finding]]] = None  # hang.check_all of the latest `now`
 
     def _hang_pass(self, now: float) -> List[Finding]:
@@ -119,7 +120,8 @@ class Diagnoser:
         replaced = {(f.comm, f.seq) for f in refined}
         refined += nccllinks.find_proxy_faults(self.timeline, now, [h for h in hangs if (h.comm, h.seq) not in replaced])
         replaced = {(f.comm, f.seq) for f in refined}
-        return with_alignment(self.timeline, incs + [h for h in hangs if (h.comm, h.seq) not in replaced] + refined)
+        found = incs + [h for h in hangs if (h.comm, h.seq) not in replaced] + refined
+        return with_alignment(self.timeline, self._aftermath.keep(found, now))
 
     def _held(self, found: List[Finding], now: float) -> List[Finding]:
         """comm-slow findings that have held for COMM_SLOW_HOLD_S: a link that slows because one rank's

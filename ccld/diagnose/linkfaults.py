@@ -6,9 +6,12 @@ others were quiet. Ranks of one collective stall together (each waits for the da
 it), so "bytes stopped moving" alone cannot tell the links apart; retransmissions and resets can. The
 findings replace the hangs they explain. Asked of a Timeline (its `links` table: rank pairs with
 per-second buckets, see links.py) at Unix time `now`; suspects are named with links.name_pairs.
+Aftermath: a rank at either end of a link fault that then exits (a cut link makes its calls fail)
+is that fault's consequence, not a second root cause: the link finding stays in its place.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from ccld.diagnose import waits
@@ -22,6 +25,8 @@ MIN_LINK_RETRANS = 2       # retransmissions since a hang began that make a link
 HANG_SETTLE_S = 1.0        # retransmissions are counted from this long after a hang began: data in flight
                            # when it began is acked (or lost) by then, and on a busy 2-core box every link
                            # retransmits now and then; after it, only a link that lost its peer keeps trying
+AFTERMATH_S = 60.0         # a link fault's rank that exits within this long of the fault's last sight ...
+AFTERMATH_ONSET_S = 5.0    # ... in a hang that began at most this long before the fault's: its consequence
 
 
 def _pair_evidence(s: Optional[PairSummary]) -> Optional[Dict[str, float]]:
@@ -80,3 +85,34 @@ def _conn_evidence(tl: Timeline, job: str, ranks: List[int]) -> List[Dict[str, o
     return [{"rank": c.rank, "local": f"{c.saddr}:{c.sport}", "remote": f"{c.daddr}:{c.dport}",
              "retrans": c.retrans, "resets": c.resets, "srtt_us": c.srtt_us, "state": c.state,
              "last_progress_at": c.progress_at} for c in tl.links.conns_between(job, ranks[0], ranks[1])]
+
+
+class Aftermath:
+    """The link faults of recent ticks (one per Diagnoser), and what their ranks' exits become."""
+
+    def __init__(self) -> None:
+        self._seen: Dict[Tuple[str, Tuple[int, ...]], Tuple[Finding, float]] = {}  # (job, link) -> (finding, last seen)
+
+    def keep(self, found: List[Finding], now: float) -> List[Finding]:
+        """`found` with each exit of a recent link fault's rank replaced by that link finding (once,
+        its evidence naming who exited since)."""
+        for f in found:
+            if f.link:
+                self._seen[(f.job, tuple(f.link))] = (f, now)
+        self._seen = {k: v for k, v in self._seen.items() if now - v[1] <= AFTERMATH_S}
+        if not self._seen:
+            return found
+        out: List[Finding] = []
+        shown = {(f.job, tuple(f.link)) for f in found if f.link}
+        for f in found:
+            cause = None
+            if f.kind == "hang" and f.cls == "fault" and not f.link and f.evidence.get("reason") == "exited":
+                cause = next((k for k, (g, _) in self._seen.items() if k[0] == f.job and set(f.ranks) <= set(k[1])
+                              and f.onset_at >= g.onset_at - AFTERMATH_ONSET_S), None)
+            if cause is None:
+                out.append(f)
+            elif cause not in shown:
+                g = self._seen[cause][0]
+                out.append(dataclasses.replace(g, detected_at=now, evidence=dict(g.evidence, then_exited=f.ranks)))
+                shown.add(cause)
+        return out

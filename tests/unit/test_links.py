@@ -88,9 +88,10 @@ def test_series_is_bounded():
     assert len(tl.links.series[("job", 0, 1)]) == lk.SERIES_BUCKETS
 
 
-def hung_job(retrans=None, seconds=8.0):
+def hung_job(retrans=None, seconds=8.0, synth=None):
     """60 healthy collectives, then seq 61 that every rank entered and nobody finishes, with ring
-    traffic each second and `retrans` {(src, dst): n per second} while it hangs."""
+    traffic each second and `retrans` {(src, dst): n per second} while it hangs. `synth` (a list)
+    gets the SynthJob, to send more."""
     tl, job, links = job_with_links()
     end = job.steps(1, 60, T0 + 1, period=0.05)
     job.collective(61, end + 0.01, finish=False)
@@ -98,6 +99,8 @@ def hung_job(retrans=None, seconds=8.0):
         links.ring(end + 0.5 + i, nbytes=0 if i else 16384, retrans=retrans)
     now = end + seconds
     job.feed(tl, now)
+    if synth is not None:
+        synth.append(job)
     return tl, now
 
 
@@ -238,3 +241,25 @@ def test_ccld_links_prints_the_table_of_a_store(tmp_path, capsys):
     assert cli.main(["links", str(tmp_path / "store"), "--json"]) == 0
     rows = [__import__("json").loads(x) for x in capsys.readouterr().out.splitlines()]
     assert len(rows) == 8 and {(r["rank"], r["peer"]) for r in rows if r["tx_bytes"]} == {(0, 1), (1, 2), (2, 3), (3, 0)}
+
+
+
+@pytest.mark.parametrize("who, folded", [(2, True), (0, False)])
+def test_a_link_faults_rank_that_then_exits_is_the_faults_consequence(who, folded):
+    """Link 1-2 keeps retransmitting in a hang: a link fault. Then rank `who` exits. Rank 2 is at one
+    end of that link: its exit is the cut's consequence, and the link finding stays in its place
+    (noting the exit), not a second finding. Rank 0 is not: its exit is a finding of its own."""
+    from ccld.diagnose import Diagnoser
+    synth = []
+    tl, now = hung_job(retrans={(1, 2): 1}, synth=synth)
+    d = Diagnoser(tl)
+    first = [f for f in d.find_hangs(now) if f.kind == "hang"]
+    assert [(f.cls, f.ranks, f.link) for f in first] == [("fault", [1, 2], [1, 2])]
+    synth[0].exit(who, now + 1)
+    synth[0].feed(tl, now + 2)
+    later = [f for f in d.find_hangs(now + 3) if f.kind == "hang"]
+    if folded:
+        assert [(f.cls, f.ranks, f.link, f.evidence.get("then_exited")) for f in later] == [
+            ("fault", [1, 2], [1, 2], [2])]
+    else:
+        assert [(f.cls, f.ranks, f.evidence.get("reason")) for f in later] == [("fault", [0], "exited")]
