@@ -52,6 +52,11 @@ JOB = "scale:29500"
 
 # ---- a sender process: a share of the nodes ------------------------------------------------------------
 
+def due(elapsed_s: float, rate: float, done: int) -> List[int]:
+    """The world collectives completed by `elapsed_s` at `rate` a second, after the first `done`."""
+    return list(range(done + 1, int(elapsed_s * rate) + 1))
+
+
 def node_frame(n: int, world: int, seqs: List[int], now_ns: int, wall_ns: int, first: bool, columns: bool,
                rnd: random.Random, batch: int, beat: bool) -> Any:
     """(frame, events in it) of node n for one 100 ms interval in which collectives `seqs` of the world
@@ -114,8 +119,7 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
     while time.monotonic() - t_start < seconds:
         next_frame += FRAME_S
         # Collectives completed in this interval (a fraction carries over via the accumulator).
-        due = int((time.monotonic() - t_start) * rate) - seq_world
-        seqs = list(range(seq_world + 1, seq_world + 1 + max(0, due)))
+        seqs = due(time.monotonic() - t_start, rate, seq_world)
         seq_world += len(seqs)
         now_ns, wall_ns = time.monotonic_ns(), time.time_ns()
         for n in nodes:
@@ -151,8 +155,7 @@ def profile_ingest(ranks: int, rate: float, seconds: float, cprofile: bool = Fal
     batch_no = [0] * (ranks // RANKS_PER_NODE)
     seq_world, t0, wall0 = 0, time.monotonic_ns(), time.time_ns()
     for tick in range(int(seconds / FRAME_S)):
-        due = int(tick * FRAME_S * rate) - seq_world
-        seqs = list(range(seq_world + 1, seq_world + 1 + max(0, due)))
+        seqs = due(tick * FRAME_S, rate, seq_world)
         seq_world += len(seqs)
         dt = tick * int(FRAME_S * 1e9)  # one clock for every node: building the frames takes no time
         for n in range(len(batch_no)):

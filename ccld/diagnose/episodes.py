@@ -84,10 +84,13 @@ class Judged:
     spread: Optional[Dict[str, Any]] = None
 
 
-def level_summary(seq: int, op: str, lo: float, hi: float, completed_at: float,
-                  first: Optional[float] = None) -> CollSummary:
-    """The summary of an instance whose values (lo..hi) all lie within PRE_LAG_S (most collectives):
-    nobody late, and half the spread bounds the MAD (its noise weight is below LAG_FLOOR_S anyway)."""
+def level_summary(seq: int, op: str, n: int, lo: float, hi: float, completed_at: float,
+                  first: Optional[float] = None) -> Optional[CollSummary]:
+    """The summary of a small instance (2..SMALL_GROUP values, lo..hi) whose values all lie within
+    PRE_LAG_S (most collectives), from those three numbers alone; None for any other. Nobody is late,
+    and half the spread bounds the MAD (its noise weight is below LAG_FLOOR_S anyway)."""
+    if not (2 <= n <= SMALL_GROUP and hi - lo <= PRE_LAG_S):
+        return None
     return CollSummary(seq, op, lo if first is None else first, completed_at, (hi - lo) / 2, (), (hi - lo) / 2, (),
                        (-1, hi - lo))
 
@@ -100,9 +103,9 @@ def summarize_values(seq: int, op: str, values: Dict[int, float], completed_at: 
     if n < 2:
         return None
     if n <= SMALL_GROUP:  # numpy's per-call overhead dominates below a few dozen values
-        lo, hi = min(values.values()), max(values.values())
-        if hi - lo <= PRE_LAG_S:
-            return level_summary(seq, op, lo, hi, completed_at, first)
+        level = level_summary(seq, op, n, min(values.values()), max(values.values()), completed_at, first)
+        if level is not None:
+            return level
         order = sorted(values.items(), key=lambda p: p[1])
         times = [x for _, x in order]
         ref = times[0] if n == 2 else _mid(times)

@@ -45,8 +45,8 @@ import numpy as np
 
 from ccld.timeline.records import Comm, CollView
 from ccld.timeline.timeline import Timeline
-from ccld.diagnose.episodes import (MIN_COLLS, MIN_LATE, PRE_LAG_S, SMALL_GROUP, CollSummary, bucket, judge,
-                                    level_summary, notable, ranks_words, spread_finding, summarize_values)
+from ccld.diagnose.episodes import (MIN_COLLS, MIN_LATE, CollSummary, bucket, judge, level_summary, notable,
+                                    ranks_words, spread_finding, summarize_values)
 from ccld.diagnose.evidence import EVIDENCE_RANKS, rank_evidence
 from ccld.diagnose.findings import Finding, short_comm
 
@@ -66,10 +66,8 @@ def summarize(view: CollView) -> Optional[CollSummary]:
     """A completed collective's summary: its ranks' enter times (episodes.summarize_values)."""
     if view.completed_at is None:
         return None
-    n, lo, hi = view.enter_span()  # level collectives (most) are summarised without their enter mapping
-    if 2 <= n <= SMALL_GROUP and hi - lo <= PRE_LAG_S:
-        return level_summary(view.seq, view.op, lo, hi, view.completed_at)
-    return summarize_values(view.seq, view.op, view.enter, view.completed_at)
+    level = level_summary(view.seq, view.op, *view.enter_span(), view.completed_at)  # most: without the mapping
+    return level if level is not None else summarize_values(view.seq, view.op, view.enter, view.completed_at)
 
 
 def _median(xs: List[float]) -> Optional[float]:

@@ -85,6 +85,11 @@ class CommCols:
     def ncols(self) -> int:
         return len(self.ranks)
 
+    def cell_of(self, rank: int) -> Optional[int]:
+        """The cell of global rank `rank`, None when it has no column."""
+        col = self.col_of.get(rank)
+        return None if col is None else self.cells[col]
+
     def ranks_np(self) -> np.ndarray:
         if self._ranks_np is None or len(self._ranks_np) != len(self.ranks):
             self._ranks_np = np.array(self.ranks, dtype=np.int64)

@@ -149,14 +149,20 @@ def _comm_of(tl: Timeline, cid: str, rec: Optional[RankRecord], rank: int, node:
     return comm
 
 
+def _pop_oldest(comm: Comm) -> Tuple[int, CollView]:
+    """(seq, view) of the oldest collective made, taken out of comm.colls; a view an analysis still
+    holds keeps a copy (freeze), since its slot is about to be freed."""
+    seq, gone = comm.colls.popitem(last=False)
+    if sys.getrefcount(gone) > 2:  # an analysis still holds it (this name and the call hold two)
+        gone.freeze()
+    return seq, gone
+
+
 def _let_go(comm: Comm) -> None:
-    """A replaced communicator's collectives leave it, as evicted ones do: a view an analysis still
-    holds keeps a copy, since its slot is about to hold another communicator's collective."""
-    colls = comm.colls
-    while colls:
-        _, gone = colls.popitem(last=False)
-        if sys.getrefcount(gone) > 2:  # this name and the call hold two
-            gone.freeze()
+    """A replaced communicator's collectives leave it, as evicted ones do (its slots go to the store's
+    free list with drop_comm)."""
+    while comm.colls:
+        _pop_oldest(comm)
 
 
 def comm_for_rows(tl: Timeline, cid: str) -> Optional[Comm]:
@@ -200,9 +206,7 @@ def evict(tl: Timeline, comm: Comm) -> None:
     of one flush all reach their collectives first, as they did applied one event at a time)."""
     keep = min(MAX_COLLS_PER_COMM, max(MIN_COLLS_PER_COMM, MAX_RANK_ENTRIES_PER_COMM // max(1, len(comm.members))))
     while len(comm.colls) > keep:
-        old, gone = comm.colls.popitem(last=False)
-        if sys.getrefcount(gone) > 2:  # an analysis still holds it (this name and the call hold two)
-            gone.freeze()
+        old, gone = _pop_oldest(comm)
         tl.store.release(gone._cols, gone._slot)
         comm.evicted_upto = max(comm.evicted_upto, old)
 

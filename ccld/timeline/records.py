@@ -138,20 +138,19 @@ class Comm:
 
     def last_entered_of(self, rank: int) -> Optional[Tuple[int, str, float]]:
         """last_entered's value for one rank (None: it entered none), read from its cell alone."""
-        if self.store is None or self.cols is None:
-            return None
-        col = self.cols.col_of.get(rank)
-        return None if col is None else self.store.last_entered_cell(self.cols.cells[col])
+        st, cols = self.store, self.cols
+        cell = None if st is None or cols is None else cols.cell_of(rank)
+        return None if st is None or cell is None else st.last_entered_cell(cell)
 
     def drop_member(self, rank: int) -> None:
         """`rank` is no longer one of its members; its next enter makes it one again (collapply.py adds a
         rank once per cell, so the cell forgets that it did)."""
         self.members.discard(rank)
         self.dropped += 1  # in expected_members' key: a rank added back later leaves the count as it was
-        if self.store is not None and self.cols is not None:
-            col = self.cols.col_of.get(rank)
-            if col is not None:
-                self.store.member[self.cols.cells[col]] = False
+        st, cols = self.store, self.cols
+        cell = None if st is None or cols is None else cols.cell_of(rank)
+        if st is not None and cell is not None:
+            st.member[cell] = False
 
     def attach(self, store: CollStore) -> CommCols:
         """Its columns in `store` (made the first time)."""
