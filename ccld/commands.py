@@ -7,7 +7,7 @@ import os
 import signal
 import socket
 import sys
-import threading
+import time
 from typing import Any, Iterator, Optional, Tuple
 
 from ccld.errors import CcldError
@@ -17,11 +17,32 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def _on_signal() -> threading.Event:
-    """SIGINT and SIGTERM from now on set the event instead of raising: installed before a command
+class StopFlag:
+    """Set by SIGINT/SIGTERM, read by the main loop. Lock-free on purpose: a threading.Event's set()
+    takes the lock its wait() holds between bytecodes, so a signal landing there deadlocked the main
+    thread in its own handler (the collector then never stopped: seen twice in CI)."""
+
+    def __init__(self) -> None:
+        self._got: list = []  # list.append is atomic and takes no lock a waiter could hold
+
+    def set(self) -> None:
+        self._got.append(True)
+
+    def is_set(self) -> bool:
+        return bool(self._got)
+
+    def wait(self, timeout: float) -> bool:
+        """True once set; else sleeps (a signal ends the sleep early) and says whether it is set now."""
+        if not self._got and timeout > 0:
+            time.sleep(timeout)
+        return bool(self._got)
+
+
+def _on_signal() -> StopFlag:
+    """SIGINT and SIGTERM from now on set the flag instead of raising: installed before a command
     says it is ready, so a signal sent as soon as the line is read still stops it cleanly (it used to
     come before the handler and leave the collector's threads running, the process alive)."""
-    done = threading.Event()
+    done = StopFlag()
 
     def stop(*_) -> None:
         done.set()
@@ -33,8 +54,8 @@ def _on_signal() -> threading.Event:
     return done
 
 
-def _wait_for(done: threading.Event) -> None:
-    while not done.wait(0.5):
+def _wait_for(done: StopFlag) -> None:
+    while not done.wait(0.2):
         pass
 
 
