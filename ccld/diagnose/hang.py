@@ -125,7 +125,11 @@ def check_comm(tl: Timeline, comm: Comm, now: float, floor_s: Optional[float] = 
             if not missing:
                 return None
     if missing:
-        onset = min(view.enter[r] for r in entered) if entered else view.first_enter()
+        enter = view.enter
+        if len(entered) == len(enter):  # every rank that entered is a member (the usual case): no Python per rank
+            onset = view.first_enter()
+        else:
+            onset = min(enter[r] for r in entered) if entered else view.first_enter()
         threshold = max(floor_for(floor_s, comm.first_done_at, now, comm.completed), k * spread_peak)
         if activity is not None and now - onset > NOTE_AFTER_S and len(missing) <= NOTE_MAX_RANKS:
             for r in missing:  # from early in the wait, so "working" is judged over all of it
