@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -58,9 +58,11 @@ def due(elapsed_s: float, rate: float, done: int) -> List[int]:
 
 
 def node_frame(n: int, world: int, seqs: List[int], now_ns: int, wall_ns: int, first: bool, columns: bool,
-               rnd: random.Random, batch: int, beat: bool) -> Any:
+               rnd: random.Random, batch: int, beat: bool, only: str = "") -> Any:
     """(frame, events in it) of node n for one 100 ms interval in which collectives `seqs` of the world
-    completed; None when it has nothing to send and no heartbeat is due (`beat`)."""
+    completed; None when it has nothing to send and no heartbeat is due (`beat`). `only` "world" or
+    "group": the events of that communicator alone (a node sending each communicator to its own
+    collector: split_work.py)."""
     world_comm = f"{JOB}/gloo:0"
     # the clock sample first, as the shipper sends its ClockSync: the frame's events convert with it
     evs: List[Dict[str, Any]] = [{"k": "clock", "mono_ns": now_ns, "wall_ns": wall_ns, "ts_ns": now_ns}]
@@ -75,7 +77,8 @@ def node_frame(n: int, world: int, seqs: List[int], now_ns: int, wall_ns: int, f
                                        group_size=size).to_wire())
     blocks: List[Dict[str, Any]] = []
     node_ranks = range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)
-    for comm in (world_comm, f"{JOB}/gloo:{1 + n}"):
+    comms = {"world": (world_comm,), "group": (f"{JOB}/gloo:{1 + n}",)}.get(only, (world_comm, f"{JOB}/gloo:{1 + n}"))
+    for comm in comms:
         rows = []  # (seq, pid, rank, enter ns) in seq order, as the shipper sorts them
         for s in seqs:
             for r in node_ranks:
@@ -142,32 +145,39 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
     ctx.term()
 
 
-def profile_ingest(ranks: int, rate: float, seconds: float, cprofile: bool = False) -> Dict[str, Any]:
-    """The collector's ingest path alone, in this thread: the frames `seconds` of the job's nodes would
-    send (built first, on a simulated clock), taken (decoded, stored to disk) and ingested as the
-    ingest thread does (Collector._take, then _ingest per GROUP_FRAMES or GROUP_EVENTS), fed here
-    rather than through a socket, with no detector ticks. The first fifth (the ranks' announcements) is not timed. Returns events per CPU-second of this
-    thread and us per frame."""
-    from ccld.collector import server
-    from ccld.store import StoreWriter
+def job_frames(ranks: int, rate: float, seconds: float, only: str = "") -> List[Tuple[int, bytes]]:
+    """(node, frame) in send order for `seconds` of the job, built first on one simulated clock for
+    every node (building them takes no time); `only` as in node_frame."""
     rnd = random.Random(1)
-    frames: List[bytes] = []
     batch_no = [0] * (ranks // RANKS_PER_NODE)
+    out: List[Tuple[int, bytes]] = []
     seq_world, t0, wall0 = 0, time.monotonic_ns(), time.time_ns()
     for tick in range(int(seconds / FRAME_S)):
         seqs = due(tick * FRAME_S, rate, seq_world)
         seq_world += len(seqs)
-        dt = tick * int(FRAME_S * 1e9)  # one clock for every node: building the frames takes no time
+        dt = tick * int(FRAME_S * 1e9)
         for n in range(len(batch_no)):
             got = node_frame(n, ranks, seqs, t0 + dt, wall0 + dt, tick == 0, True, rnd, batch_no[n] + 1,
-                             tick % HEARTBEAT_TICKS == 0)
+                             tick % HEARTBEAT_TICKS == 0, only)
             if got is not None:
                 batch_no[n] += 1
-                frames.append(got[0])
+                out.append((n, got[0]))
+    return out
+
+
+def ingest_cpu(frames: List[bytes], cprofile: bool = False) -> Dict[str, Any]:
+    """One fresh collector (a store on disk, no threads) taking `frames` as its ingest thread does
+    (Collector._take, then _ingest per GROUP_FRAMES or GROUP_EVENTS), fed here rather than through a
+    socket, with no detector ticks; the first fifth (the ranks' announcements) is not timed. The timed
+    part's frames, events and CPU-seconds of this thread."""
+    from ccld.collector import server
+    from ccld.store import StoreWriter
+    from ccld.timeline.ingest import restore_gc, tune_gc
     store = tempfile.mkdtemp(prefix="ccld-scale-")
     col = server.Collector(listen="tcp://127.0.0.1:*", store_dir=store, on_line=lambda s: None)
     col._store = StoreWriter(store)  # what start() opens, without its threads: only this one writes
     col.acks.use_store(col._store, store)
+    gc_was = tune_gc()  # as start() does
 
     def take(fs: List[bytes]) -> None:
         taken: List[Any] = []
@@ -182,26 +192,39 @@ def profile_ingest(ranks: int, rate: float, seconds: float, cprofile: bool = Fal
                     events = 0
         col._ingest(taken)
 
-    warm = len(frames) // 5
-    take(frames[:warm])
-    e0 = sum(col.timeline.events_by_kind.values())
-    prof = None
-    if cprofile:
-        import cProfile
-        prof = cProfile.Profile()
-        prof.enable()
-    c0 = time.thread_time()
-    take(frames[warm:])
-    cpu = time.thread_time() - c0
-    if prof is not None:
-        import pstats
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-    events = sum(col.timeline.events_by_kind.values()) - e0
-    col.stop()
-    subprocess.run(["rm", "-rf", store])
-    return {"ranks": ranks, "rate": rate, "frames": len(frames) - warm, "events": events, "cpu_s": cpu,
-            "per_cpu_s": events / cpu, "us_per_frame": cpu / (len(frames) - warm) * 1e6}
+    try:
+        warm = len(frames) // 5
+        take(frames[:warm])
+        e0 = sum(col.timeline.events_by_kind.values())
+        prof = None
+        if cprofile:
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
+        c0 = time.thread_time()
+        take(frames[warm:])
+        cpu = time.thread_time() - c0
+        if prof is not None:
+            import pstats
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        events = sum(col.timeline.events_by_kind.values()) - e0
+        rejected = sum(col.counters.frames_rejected.values())
+    finally:
+        col.stop()
+        restore_gc(gc_was)
+        subprocess.run(["rm", "-rf", store])
+    if rejected:
+        raise SystemExit(f"the collector rejected {rejected} of the bench's frames: the bench is broken")
+    return {"frames": len(frames) - warm, "events": events, "cpu_s": cpu}
+
+
+def profile_ingest(ranks: int, rate: float, seconds: float, cprofile: bool = False) -> Dict[str, Any]:
+    """The collector's ingest path alone, in this thread (ingest_cpu), on the frames `seconds` of the
+    job's nodes would send: events per CPU-second of this thread and us per frame."""
+    r = ingest_cpu([f for _, f in job_frames(ranks, rate, seconds)], cprofile)
+    return {"ranks": ranks, "rate": rate, "frames": r["frames"], "events": r["events"], "cpu_s": r["cpu_s"],
+            "per_cpu_s": r["events"] / r["cpu_s"], "us_per_frame": r["cpu_s"] / r["frames"] * 1e6}
 
 
 # ---- one run at one size -------------------------------------------------------------------------------

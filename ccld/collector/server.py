@@ -37,7 +37,7 @@ from ccld.diagnose.stack import StackTaker
 from ccld.errors import CcldError
 from ccld.security import ServerKeys, check_listen, secure_server
 from ccld.store import StoreWriter
-from ccld.timeline.ingest import IngestCounters, decode_frame
+from ccld.timeline.ingest import IngestCounters, decode_frame, restore_gc, tune_gc
 from ccld.timeline.timeline import Timeline
 from ccld.tracer.discover import is_rank
 
@@ -60,6 +60,7 @@ STATS_INTERVAL_S = 2.0    # stats.json is for humans and `ccld diagnose`; every 
 LOG_EVERY_S = 10.0        # a flood of bad frames prints one line per reason per 10 s, with a count
 MAX_FINDINGS_KEPT = 10_000  # in memory; the findings file keeps everything
 JOIN_TIMEOUT_S = 20.0     # the drain budget is ~3 s; under a flood on 2 busy cores one frame alone can take seconds
+
 
 
 class CollectorError(CcldError):
@@ -125,6 +126,7 @@ class Collector:
         self._threads: List[threading.Thread] = []
         self._started_at: Optional[float] = None
         self._stopped = False
+        self._gc_was: Optional[Tuple[int, int, int]] = None
         self.quiesced = False  # the job is being stopped on purpose (quiesce): no detection from then on
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -160,6 +162,7 @@ class Collector:
             self._close_resources()
             raise
         self._started_at = time.time()
+        self._gc_was = tune_gc()
         self._threads = [threading.Thread(target=self._ingest_loop, name="ccld-ingest", daemon=True),
                          threading.Thread(target=self._tick_loop, name="ccld-detect", daemon=True)]
         for t in self._threads:
@@ -184,6 +187,8 @@ class Collector:
             except OSError as e:
                 log.warning("cannot write %s/stats.json: %s", self.store_dir, e)
         self._close_resources(socket_in_use=any(t.is_alive() for t in self._threads if t.name == "ccld-ingest"))
+        if self._gc_was is not None:
+            restore_gc(self._gc_was)
 
     def _close_resources(self, socket_in_use: bool = False) -> None:
         if self.time_service is not None:
