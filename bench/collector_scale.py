@@ -177,7 +177,7 @@ def ingest_cpu(frames: List[bytes], cprofile: bool = False) -> Dict[str, Any]:
     col = server.Collector(listen="tcp://127.0.0.1:*", store_dir=store, on_line=lambda s: None)
     col._store = StoreWriter(store)  # what start() opens, without its threads: only this one writes
     col.acks.use_store(col._store, store)
-    gc_was = tune_gc()  # as start() does
+    tune_gc()  # as start() does
 
     def take(fs: List[bytes]) -> None:
         taken: List[Any] = []
@@ -212,7 +212,7 @@ def ingest_cpu(frames: List[bytes], cprofile: bool = False) -> Dict[str, Any]:
         rejected = sum(col.counters.frames_rejected.values())
     finally:
         col.stop()
-        restore_gc(gc_was)
+        restore_gc()
         subprocess.run(["rm", "-rf", store])
     if rejected:
         raise SystemExit(f"the collector rejected {rejected} of the bench's frames: the bench is broken")

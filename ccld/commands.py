@@ -32,7 +32,8 @@ class StopFlag:
         return bool(self._got)
 
     def wait(self, timeout: float) -> bool:
-        """True once set; else sleeps (a signal ends the sleep early) and says whether it is set now."""
+        """True once set; else sleeps `timeout` and says whether it is set now (a signal does not end
+        the sleep: time.sleep resumes after a handler that returns, so a stop waits out the step)."""
         if not self._got and timeout > 0:
             time.sleep(timeout)
         return bool(self._got)
@@ -55,7 +56,7 @@ def _on_signal() -> StopFlag:
 
 
 def _wait_for(done: StopFlag) -> None:
-    while not done.wait(0.2):
+    while not done.wait(0.1):  # a stop is seen within 0.1 s
         pass
 
 

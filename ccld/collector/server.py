@@ -126,7 +126,7 @@ class Collector:
         self._threads: List[threading.Thread] = []
         self._started_at: Optional[float] = None
         self._stopped = False
-        self._gc_was: Optional[Tuple[int, int, int]] = None
+        self._gc_tuned = False
         self.quiesced = False  # the job is being stopped on purpose (quiesce): no detection from then on
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -162,7 +162,8 @@ class Collector:
             self._close_resources()
             raise
         self._started_at = time.time()
-        self._gc_was = tune_gc()
+        tune_gc()
+        self._gc_tuned = True
         self._threads = [threading.Thread(target=self._ingest_loop, name="ccld-ingest", daemon=True),
                          threading.Thread(target=self._tick_loop, name="ccld-detect", daemon=True)]
         for t in self._threads:
@@ -187,8 +188,8 @@ class Collector:
             except OSError as e:
                 log.warning("cannot write %s/stats.json: %s", self.store_dir, e)
         self._close_resources(socket_in_use=any(t.is_alive() for t in self._threads if t.name == "ccld-ingest"))
-        if self._gc_was is not None:
-            restore_gc(self._gc_was)
+        if self._gc_tuned:
+            restore_gc()
 
     def _close_resources(self, socket_in_use: bool = False) -> None:
         if self.time_service is not None:

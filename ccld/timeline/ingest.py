@@ -18,20 +18,34 @@ LOAD_GROUP = 256  # frames of a store applied together when nothing needs to loo
 GC_YOUNG = 50_000  # allocations between young-generation collections while frames are ingested (tune_gc)
 
 
-def tune_gc() -> Tuple[int, int, int]:
-    """Fewer young-generation collections while frames are ingested (process-wide, like the export's);
-    returns what restore_gc puts back. A frame's decode makes a few hundred short-lived objects, so at
+class _Tuning:
+    users = 0                                      # ingests running with tune_gc's thresholds
+    found: Tuple[int, int, int] = (700, 10, 10)    # what the first of them found
+
+
+def tune_gc() -> None:
+    """Fewer young-generation collections while frames are ingested (process-wide, like the export's),
+    until restore_gc. A frame's decode makes a few hundred short-lived objects, so at
     Python's default (700) a young collection ran every frame or two and the older generations' passes
-    walked the timeline's objects: ~25 % of the collector's ingest (bench/RESULTS.md, collector_scale)."""
+    walked the timeline's objects: ~25 % of the collector's ingest (bench/RESULTS.md, collector_scale).
+    Nested or overlapping users (two collectors in one process) share one setting: the last one out
+    restores. A process that turned automatic collection off (threshold 0) is left as it is."""
     was = gc.get_threshold()
-    gc.set_threshold(max(was[0], GC_YOUNG), *was[1:])
-    return was
+    if _Tuning.users == 0:
+        _Tuning.found = was
+        if was[0] != 0:
+            gc.set_threshold(max(was[0], GC_YOUNG), *was[1:])
+    _Tuning.users += 1
 
 
-def restore_gc(was: Tuple[int, int, int]) -> None:
-    """Put back what tune_gc found, unless something else changed the thresholds meanwhile."""
-    if gc.get_threshold()[0] == max(was[0], GC_YOUNG):
-        gc.set_threshold(*was)
+def restore_gc() -> None:
+    """The end of one tune_gc: the last one out puts back what the first found, unless something else
+    changed the young threshold meanwhile."""
+    _Tuning.users = max(0, _Tuning.users - 1)
+    if _Tuning.users == 0:
+        first = _Tuning.found
+        if first[0] != 0 and gc.get_threshold()[0] == max(first[0], GC_YOUNG):
+            gc.set_threshold(*first)
 
 
 @dataclass
@@ -82,7 +96,7 @@ def load_timeline(store_dir: str) -> Timeline:
     from ccld.store import read_store
     tl, counters = Timeline(), IngestCounters()
     group: List[Tuple[ev.Batch, float]] = []
-    gc_was = tune_gc()
+    tune_gc()
     try:
         for recv, frame in read_store(store_dir, []):  # nothing ticks in between: frames go in together
             batch, _ = decode_frame(frame, counters)
@@ -93,5 +107,5 @@ def load_timeline(store_dir: str) -> Timeline:
                     group = []
         tl.ingest_many(group)
     finally:
-        restore_gc(gc_was)
+        restore_gc()
     return tl

@@ -164,19 +164,28 @@ def test_bad_on_line_and_no_store_do_not_stop_it(push, caplog):
 
 def test_a_running_collector_collects_young_garbage_less_often_and_puts_the_setting_back():
     """Python's default young-generation threshold (700) cost ~25 % of ingest; the collector raises it
-    while it runs and restores it at stop, unless something else changed it meanwhile."""
+    while it runs and restores it when the last collector of the process stops, unless something else
+    changed it meanwhile; a process with automatic collection off keeps it off."""
     import gc
     from ccld.timeline.ingest import GC_YOUNG
     was = gc.get_threshold()
     try:
         gc.set_threshold(700, 10, 10)
-        c = Collector(listen="tcp://127.0.0.1:*").start()
+        a = Collector(listen="tcp://127.0.0.1:*").start()
         assert gc.get_threshold() == (GC_YOUNG, 10, 10)
-        c.stop()
+        b = Collector(listen="tcp://127.0.0.1:*").start()
+        a.stop()
+        assert gc.get_threshold() == (GC_YOUNG, 10, 10)  # b still runs
+        b.stop()
         assert gc.get_threshold() == (700, 10, 10)
         c = Collector(listen="tcp://127.0.0.1:*").start()
         gc.set_threshold(1234, 10, 10)  # somebody else's choice while it ran: left alone
         c.stop()
         assert gc.get_threshold() == (1234, 10, 10)
+        gc.set_threshold(0)
+        c = Collector(listen="tcp://127.0.0.1:*").start()
+        assert gc.get_threshold()[0] == 0
+        c.stop()
+        assert gc.get_threshold()[0] == 0
     finally:
         gc.set_threshold(*was)
