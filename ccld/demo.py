@@ -81,7 +81,12 @@ def run(fault: str, ranks: int, seed: Optional[int], keep: Optional[str], say: C
                 time.sleep(1.0)  # let any companion findings arrive before we stop the job
                 break
     finally:
-        # Stop tracing first: the job's ranks dying under our own SIGTERM is not a finding.
+        # Stop tracing first: the job's ranks dying under our own SIGTERM is not a finding. Nor is
+        # what the collector would see while the agent detaches its probes (seconds): no RankStates
+        # from ranks still waiting, so "records behind its heartbeats" and a RECOVERED for a hang
+        # that still held. A job stopped on purpose is quiesced first, as `ccld run` does on Ctrl-C.
+        if proc.poll() is None and session.collector is not None:
+            session.collector.quiesce()
         launch.close_session(session)
         launch.stop_group(proc)
     named = found is not None and found.ranks == [bad_rank]
