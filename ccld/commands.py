@@ -28,9 +28,6 @@ class StopFlag:
     def set(self) -> None:
         self._got.append(True)
 
-    def is_set(self) -> bool:
-        return bool(self._got)
-
     def wait(self, timeout: float) -> bool:
         """True once set; else sleeps `timeout` and says whether it is set now (a signal does not end
         the sleep: time.sleep resumes after a handler that returns, so a stop waits out the step)."""

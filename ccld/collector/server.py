@@ -62,7 +62,6 @@ MAX_FINDINGS_KEPT = 10_000  # in memory; the findings file keeps everything
 JOIN_TIMEOUT_S = 20.0     # the drain budget is ~3 s; under a flood on 2 busy cores one frame alone can take seconds
 
 
-
 class CollectorError(CcldError):
     """The collector cannot start (address in use, store unusable, findings file not writable)."""
 

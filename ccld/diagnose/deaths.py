@@ -33,14 +33,15 @@ def _dead(tl: Timeline, comm: Comm, ranks: Set[int]) -> List[int]:
     return sorted(out)
 
 
+def _by_launcher(tl: Timeline, comm: Comm, rank: int) -> bool:
+    """`rank` exited of a signal from its own launcher (RankExit.by_launcher)."""
+    rec = tl.rank_record(comm.job, rank)
+    return rec is not None and rec.exited() and rec.stopped_by_launcher
+
+
 def stopped_by_launcher(tl: Timeline, comm: Comm, ranks) -> List[int]:
     """Those of `ranks` that exited of a signal from their own launcher (RankExit.by_launcher)."""
-    out = []
-    for r in ranks:
-        rec = tl.rank_record(comm.job, r)
-        if rec is not None and rec.exited() and rec.stopped_by_launcher:
-            out.append(r)
-    return sorted(out)
+    return sorted(r for r in ranks if _by_launcher(tl, comm, r))
 
 
 def crashed(tl: Timeline, comm: Comm, ranks) -> List[int]:
@@ -59,13 +60,9 @@ def crashed(tl: Timeline, comm: Comm, ranks) -> List[int]:
 def job_stopped(tl: Timeline, comm: Comm, expected) -> bool:
     """Every member of `comm` exited of its launcher's signal: the job was stopped or restarted (an
     elastic restart, a cancelled job), which leaves its last collective open on no one's account."""
-    if not expected:
-        return False
-    for r in expected:  # the first member still there answers: a tick with a hang open at 4,096 ranks
-        rec = tl.rank_record(comm.job, r)  # spent ~3 ms collecting all of them
-        if rec is None or not rec.exited() or not rec.stopped_by_launcher:
-            return False
-    return True
+    # all() stops at the first member still there: collecting every one cost a tick with a hang open
+    # at 4,096 ranks ~3 ms
+    return bool(expected) and all(_by_launcher(tl, comm, r) for r in expected)
 
 
 def _why_dead(tl: Timeline, comm: Comm, ranks: List[int]) -> str:
