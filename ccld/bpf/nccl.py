@@ -183,8 +183,9 @@ class NcclTranslator:
         # What could not be named or was not worth an event; shipped by the agent as loss/health counters.
         self.counters: Dict[str, int] = {"unknown_handles": 0, "unknown_parents": 0, "init_failed": 0,
                                          "groups": 0, "destroyed": 0, "aborted": 0, "unknown_fn": 0,
-                                         "left_to_plugin": 0}
+                                         "left_to_plugin": 0, "left_to_c10d": 0}
         self._plugin_since: Dict[int, int] = {}  # pid -> ns from which ccld's NCCL profiler plugin reports it
+        self._c10d: set = set()  # pids whose collectives the ProcessGroupNCCL probes report (pgnccl.py)
         self._index()
 
     def add_process(self, pid: int, rank: int, job: str) -> None:
@@ -194,7 +195,13 @@ class NcclTranslator:
     def forget(self, pid: int) -> None:
         self.procs.pop(pid, None)
         self._plugin_since.pop(pid, None)
+        self._c10d.discard(pid)
         self._index()
+
+    def leave_collectives(self, pid: int) -> None:
+        """PyTorch's ProcessGroupNCCL probes (pgnccl.py) report this process's collectives, numbered by
+        c10d: its collective calls are dropped here (counted), its p2p calls and communicators kept."""
+        self._c10d.add(pid)
 
     def defer_to_plugin(self, pid: int, since_ns: int) -> None:
         """ccld's NCCL profiler plugin reports this process's NCCL from since_ns (its clock) on, with
@@ -225,6 +232,12 @@ class NcclTranslator:
             left = (dp[i] == tgid) & (ts >= ds[i])
             if left.any():
                 self.counters["left_to_plugin"] += int(np.count_nonzero(left))
+                rows, kinds = rows[~left], kinds[~left]
+        if self._c10d:
+            pids = records.view(rows[:, :records.HEADER_SIZE].copy(), records.HDR_DTYPE)["tgid"].astype(np.int64)
+            left = (kinds == COLL) & np.isin(pids, np.array(sorted(self._c10d), np.int64))
+            if left.any():
+                self.counters["left_to_c10d"] += int(np.count_nonzero(left))
                 rows, kinds = rows[~left], kinds[~left]
         groups = kinds == GROUP
         if groups.any():

@@ -45,8 +45,8 @@ MAX_FILE_BYTES = 16 << 20            # a cache file is tens of KiB; refuse anyth
 # beyond -I: net's struct offsets are read off the running kernel's BTF, which the key already names,
 # so the cache names them instead of reading them (a cached start parses no BTF).
 NET_BTF = "-D<struct sock offsets from this kernel's BTF>"
-PROGRAMS = {"gloo": ("gloo.bpf.c", ()), "nccl": ("nccl.bpf.c", ()), "net": ("net.bpf.c", (NET_BTF,)),
-            "sched": ("sched.bpf.c", ()), "rdma": ("rdma.bpf.c", ())}
+PROGRAMS = {"gloo": ("gloo.bpf.c", ()), "nccl": ("nccl.bpf.c", ()), "pgnccl": ("pgnccl.bpf.c", ()),
+            "net": ("net.bpf.c", (NET_BTF,)), "sched": ("sched.bpf.c", ()), "rdma": ("rdma.bpf.c", ())}
 ALSO_READ = ("common.h",)  # files every program includes
 PID_MAX_FILE = "/proc/sys/kernel/pid_max"
 DEFAULT_PID_MAX = 1 << 22  # the 64-bit kernel's default, when the file cannot be read

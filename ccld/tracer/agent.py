@@ -174,8 +174,15 @@ class Agent:
     def _plugin_took_nccl(self, pid: int, since_ns: int) -> None:
         """The NCCL profiler plugin reports this rank's NCCL from since_ns on: its uprobes' records stop."""
         for fam, tr in self.families:
-            if getattr(fam, "NAME", "") == "nccl" and hasattr(tr, "defer_to_plugin"):
+            if getattr(fam, "NAME", "") in ("nccl", "pgnccl") and hasattr(tr, "defer_to_plugin"):
                 tr.defer_to_plugin(pid, since_ns)
+
+    def _c10d_took_nccl(self, pid: int) -> None:
+        """The ProcessGroupNCCL probes are on this rank: its collectives come from them, numbered by c10d,
+        and the NCCL API probes' collective records of it are dropped (pgnccl.py)."""
+        for fam, tr in self.families:
+            if getattr(fam, "NAME", "") == "nccl" and hasattr(tr, "leave_collectives"):
+                tr.leave_collectives(pid)
 
     def stop(self) -> None:
         """Detach, flush and close. Safe to call twice."""
@@ -329,6 +336,8 @@ class Agent:
                                                 target=lib, message=str(e)))
                 continue
             r.attached[name] = lib
+            if name == "pgnccl":
+                self._c10d_took_nccl(r.ident.pid)
             self._last_change = time.monotonic()
             self.shipper.put(ev.ProbeStatus(pid=r.ident.pid, family=name, ok=True, ts_ns=ts, target=lib,
                                             attached=len(att.points),

@@ -24,11 +24,12 @@ def build_families(emit: Callable[[ev.Event], None], names: Sequence[str] = FAMI
     from ccld.bpf.gloo_translator import GlooTranslator
     from ccld.bpf.nccl import NcclFamily, NcclTranslator
     from ccld.bpf.net import NetFamily, NetTranslator
+    from ccld.bpf.pgnccl import PgncclFamily, PgncclTranslator
     from ccld.bpf.sched import SchedFamily, SchedTranslator
     from ccld.bpf.rdma import RdmaFamily, RdmaTranslator
     builders = {"gloo": (GlooFamily, GlooTranslator), "nccl": (NcclFamily, NcclTranslator),
-                "net": (NetFamily, NetTranslator), "sched": (SchedFamily, SchedTranslator),
-                "rdma": (RdmaFamily, RdmaTranslator)}
+                "pgnccl": (PgncclFamily, PgncclTranslator), "net": (NetFamily, NetTranslator),
+                "sched": (SchedFamily, SchedTranslator), "rdma": (RdmaFamily, RdmaTranslator)}
     out = []
     for name in FAMILY_NAMES:
         if name in names:

@@ -83,7 +83,7 @@ def test_an_agent_start_never_imports_bcc(need_bpf, tmp_path):
     for run, out in runs.items():
         assert out["problem"] is None and not out["warnings"], (run, out)
         assert out["bcc"] == [], f"{run} start imported {out['bcc']}"
-        assert set(out["loaded"]) == {"gloo", "nccl", "net", "sched", "rdma"}
+        assert set(out["loaded"]) == {"gloo", "nccl", "pgnccl", "net", "sched", "rdma"}
     assert not any(runs["cold"]["loaded"].values()), "the cold start compiled every family"
     assert all(runs["warm"]["loaded"].values()), "the warm start loaded every family from the cache"
     assert runs["warm"]["probes"] >= 30

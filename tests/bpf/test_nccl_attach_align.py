@@ -46,6 +46,21 @@ def _ready(proc) -> dict:
     raise AssertionError(f"workload printed no ready line: {proc.stderr.read()[-2000:]}")
 
 
+def _drive(fam, procs, go, lead_s: float, timeout_s: float) -> None:
+    """Start the workloads (the go-file names the CLOCK_MONOTONIC ns they start at, lead_s from now),
+    drain the family until they exit (each with status 0), then drain what they left."""
+    tmp = go.with_name(go.name + ".tmp")
+    tmp.write_text(str(time.monotonic_ns() + int(lead_s * 1e9)))
+    tmp.rename(go)  # whole, at once: the workloads read the start time from it
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        fam.poll(50)
+    for p in procs:
+        assert p.wait(timeout=5) == 0, p.stderr.read()[-2000:]
+    for _ in range(6):
+        fam.poll(50)
+
+
 def test_two_ranks_attached_at_different_points_are_aligned(tmp_path):
     problem = bpf_available()
     if problem is not None:
@@ -65,16 +80,7 @@ def test_two_ranks_attached_at_different_points_are_aligned(tmp_path):
         for rank, (p, r) in enumerate(zip(procs, ready)):
             tr.add_process(p.pid, rank, "j")
             fam.attach(p.pid, fam.find_lib(p.pid))
-        tmp = tmp_path / "go.tmp"
-        tmp.write_text(str(time.monotonic_ns() + int(LEAD_S * 1e9)))
-        tmp.rename(go)  # whole, at once: the workloads read the start time from it
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            fam.poll(50)
-        for p in procs:
-            assert p.wait(timeout=5) == 0, p.stderr.read()[-2000:]
-        for _ in range(6):
-            fam.poll(50)
+        _drive(fam, procs, go, LEAD_S, RUN_TIMEOUT_S)
     finally:
         for p in procs:
             if p.poll() is None:

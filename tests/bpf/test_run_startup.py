@@ -13,6 +13,8 @@ import pytest
 
 from conftest import ROOT, gloo_job_cmd
 
+from ccld.bpf.progcache import PROGRAMS
+
 pytestmark = pytest.mark.bpf
 
 WORLD, STEPS = 4, 23
@@ -58,4 +60,4 @@ def test_ccld_run_misses_nothing_of_the_job(need_bpf, tmp_path, job_env, cache_d
             got = by[kind][r]
             assert got == want, (f"rank {r} {kind}: missing {sorted(want - got)[:10]}, extra {sorted(got - want)[:10]}"
                                  f"\n{res.stderr[-2000:]}")
-    assert len(os.listdir(cache_dir)) == 5, "every family's program kept in the cache"
+    assert len(os.listdir(cache_dir)) == len(PROGRAMS), "every family's program kept in the cache"

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ccld.bpf import gloo, gloo_records, nccl, rdma, records, sched
+from ccld.bpf import gloo, gloo_records, nccl, pgnccl, rdma, records, sched
 from ccld.bpf.loader import BPF_DIR
 
 pytestmark = pytest.mark.unit
@@ -36,6 +36,7 @@ MIRRORS = {
     "sched.bpf.c": {"sched_stats": sched.SchedVal, "fatal_signal": sched.FatalSignal},
     "nccl.bpf.c": {"nccl_call": nccl.NcclCall, "nccl_group": nccl.NcclGroup,
                    "nccl_comm_init": nccl.NcclCommInit, "nccl_comm_end": nccl.NcclCommEnd},
+    "pgnccl.bpf.c": {"pgn_pg": pgnccl.PgnPg, "pgn_work": pgnccl.PgnWork},
 }
 # C record kind -> Python constant, per source
 KIND_NAMES = {
@@ -45,8 +46,10 @@ KIND_NAMES = {
                                  "GLOO_P2P_END": gloo_records.P2P_END, "GLOO_PG_NAME": gloo_records.PG_NAME}),
     "nccl.bpf.c": ("nccl_kind", {"NCCL_COLL": nccl.COLL, "NCCL_P2P": nccl.P2P_REC, "NCCL_GROUP": nccl.GROUP,
                                  "NCCL_COMM_INIT": nccl.COMM_INIT, "NCCL_COMM_END": nccl.COMM_END}),
+    "pgnccl.bpf.c": ("pgn_kind", {"PGN_PG": pgnccl.PG, "PGN_WORK": pgnccl.WORK}),
 }
-FAMILIES = {"gloo.bpf.c": gloo.GlooFamily, "nccl.bpf.c": nccl.NcclFamily, "rdma.bpf.c": rdma.RdmaFamily}
+FAMILIES = {"gloo.bpf.c": gloo.GlooFamily, "nccl.bpf.c": nccl.NcclFamily, "rdma.bpf.c": rdma.RdmaFamily,
+            "pgnccl.bpf.c": pgnccl.PgncclFamily}
 C_TYPE_BYTES = {"u8": 1, "s8": 1, "char": 1, "u16": 2, "s16": 2, "u32": 4, "s32": 4, "u64": 8, "s64": 8,
                 "struct ccld_hdr": 24, "struct gloo_enter_of": 32}
 
@@ -104,7 +107,7 @@ def _struct_fields(text: str, name: str, defs: dict):
     return fields
 
 
-@pytest.mark.parametrize("source", ["common.h", "gloo.bpf.c", "nccl.bpf.c", "sched.bpf.c"])
+@pytest.mark.parametrize("source", ["common.h", "gloo.bpf.c", "nccl.bpf.c", "pgnccl.bpf.c", "sched.bpf.c"])
 def test_mirrors_match_static_asserts(source):
     common = _source("common.h")
     text = _source(source)
@@ -130,7 +133,7 @@ def test_every_record_fits_the_familys_slot(source):
     assert max(ct.sizeof(c) for c in kinds.classes.values()) == kinds.rec_size  # no slot bigger than needed
 
 
-@pytest.mark.parametrize("source", ["gloo.bpf.c", "nccl.bpf.c"])
+@pytest.mark.parametrize("source", ["gloo.bpf.c", "nccl.bpf.c", "pgnccl.bpf.c"])
 def test_kind_numbers_match(source):
     enum, names = KIND_NAMES[source]
     body = re.search(r"enum\s+" + enum + r"\s*\{(.*?)\};", _source(source), flags=re.S).group(1)
