@@ -6,8 +6,8 @@ A collective a ProcessGroupNCCL builds arrives as a CollEnter of the communicato
 c10d's own seqCollective_, which counts the group's collectives only and is the same on every member
 for one collective, also when ccld attached mid-run (CommInit.seq_source "library"): no alignment
 guess is needed, and the numbers are Flight Recorder's `collective_seq_id`. The group's size comes
-from its constructor when ccld saw it (else -1: the collector takes it for the world's, as it does for
-gloo groups made before the attach). Point-to-point works are counted and left to the NCCL API probes
+from its constructor when ccld saw it; else -1, and a group other than the default one ("0", the world)
+is marked CommInit.subgroup: its members are the ranks seen in it, not the world. Point-to-point works are counted and left to the NCCL API probes
 (nccl.py), whose ncclSend/ncclRecv records carry the peer.
 
 One source per collective: the agent tells the NCCL API translator to leave the collectives of a process
@@ -33,6 +33,7 @@ from ccld.bpf.rows import KIND_COLL, Builder, Groups
 PG, WORK = 1, 2
 REC_SIZE = 96   # CCLD_REC_SIZE in pgnccl.bpf.c
 UID_BYTES = 48  # PGN_UID_BYTES
+DEFAULT_GROUP = "0"  # torch names the default group "0" (init_process_group makes it first): the world
 
 # The mangled names (Itanium ABI) as torch 2.x's libtorch_cuda.so exports them, cut after the arguments
 # the program reads, so a torch that adds trailing arguments (as 2.5 and 2.6 did) still matches. C1 and
@@ -150,5 +151,6 @@ class PgncclTranslator:
         size = got[1] if got is not None else -1
         name = self.named[(pid, uid)] = f"{job}/nccl-pg:{uid}"
         out.event(ev.CommInit(pid=pid, rank=rank, ts_ns=ts, backend="nccl", comm=name, group_rank=grank,
-                              group_size=size, handle=pg, seq_source=ev.SEQ_LIBRARY))
+                              group_size=size, handle=pg, seq_source=ev.SEQ_LIBRARY,
+                              subgroup=size < 0 and uid != DEFAULT_GROUP))
         return name

@@ -93,6 +93,8 @@ def rank_event(tl: Timeline, agent: str, node: str, e: ev.Event, t: float) -> No
         comm.backend = e.backend or comm.backend
         if e.group_size >= 0:
             comm.group_size = e.group_size
+        if e.subgroup:
+            comm.subgroup = True
         comm.members.add(rank)
         if e.seq_source:
             comm.seq_sources[rank] = e.seq_source

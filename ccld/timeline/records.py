@@ -122,6 +122,7 @@ class Comm:
     # Its expected members are the members seen, never the job's world: a per-process NCCL communicator
     # (named by its handle, seen after the attach) and one joined from such by align.py
     members_only: bool = False
+    subgroup: bool = False  # known not to span the world (CommInit.subgroup): its size unknown, its members are those seen
     alignment: Optional[Dict[str, Any]] = None  # align.py's joined communicator: how (findings' evidence)
     expected_cols: Tuple[Any, Any] = (None, None)  # ((expected, ncols), columns of the expected or None): a cache
     _last: Tuple[int, Dict[int, Tuple[int, str, float]]] = (-1, {})

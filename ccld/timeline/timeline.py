@@ -308,9 +308,9 @@ class Timeline:
         world = self.jobs.get(comm.job, -1) if comm.job else -1
         seen = self.job_ranks.get(comm.job, 0)
         # Asked for every WorkEnd: building range(world) each time made a collective cost O(world^2).
-        key = (world, comm.group_size, len(comm.members), seen, comm.members_only, comm.dropped)
+        key = (world, comm.group_size, len(comm.members), seen, comm.members_only, comm.dropped, comm.subgroup)
         if comm.expected_key != key:
-            spans = world > 0 and (comm.group_size < 0 or comm.group_size == world) \
+            spans = world > 0 and (comm.group_size == world or comm.group_size < 0 and not comm.subgroup) \
                 and world <= 2 * seen + SMALL_WORLD and not comm.members_only
             if spans:  # the same set while the world holds: kept, so caches keyed on it stay valid
                 if comm.expected_world != world:

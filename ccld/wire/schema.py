@@ -7,9 +7,8 @@ Times: every `ts_ns` is CLOCK_MONOTONIC nanoseconds of the node that made the ev
 bpf_ktime_get_ns and Python's time.monotonic_ns share that clock). Nothing here converts clocks:
 the collector does that in one place (`timeline.clock`), from the agent's `clock` samples.
 Compatibility: a frame with a newer MAJOR is rejected; a newer MINOR is read, unknown fields are
-ignored and events of an unknown kind are skipped and counted (codec.py).
-Field names follow PyTorch's vocabulary (process group, seq, group size, count, dtype) so traces
-join with Flight Recorder and Kineto.
+ignored and events of an unknown kind are skipped and counted (codec.py). Field names follow
+PyTorch's vocabulary (process group, seq, group size, count, dtype): traces join with FR and Kineto.
 """
 from __future__ import annotations
 
@@ -18,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Tuple, Type
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 7  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync;
+SCHEMA_MINOR = 8  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync;
                   # 1.4 column blocks (blocks.py) for coll/start/end; the envelope's "resend" flag;
                   # 1.5 p2p_end, P2P's seq/nbytes/lib_seq, CollEnter's lib_seq, CommInit's seq_source;
-                  # 1.6 RankExit's exact, signal and by_launcher; 1.7 net_progress (NCCL profiler plugin), compute
+                  # 1.6 RankExit's exact, signal and by_launcher; 1.7 net_progress, compute; 1.8 CommInit's subgroup
 # CommInit.seq_source: how a rank numbers `seq` (collectives) and P2P.seq on that communicator
 SEQ_LIBRARY = "library"      # the library's own collective counter (gloo: c10d's tag): exact, also mid-run
 SEQ_FROM_INIT = "counted"    # counted by the agent from the group's creation: exact
@@ -134,7 +133,8 @@ class RankState(Event):
 @dataclass(frozen=True)
 class CommInit(Event):
     """A communicator (process group) was created in a rank. `comm` is its cross-rank identity.
-    `seq_source` says how this rank numbers its collectives and p2p ops there (SEQ_*; "" before 1.5)."""
+    `seq_source` says how this rank numbers its collectives and p2p ops there (SEQ_*; "" before 1.5);
+    `subgroup` (1.8), that a group of unknown size (-1, which stands for the world's) is not the world."""
     KIND: ClassVar[str] = "comm"
     pid: int
     rank: int
@@ -145,6 +145,7 @@ class CommInit(Event):
     group_size: int
     handle: int = 0
     seq_source: str = ""
+    subgroup: bool = False
 
 
 @dataclass(frozen=True)

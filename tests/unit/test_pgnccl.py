@@ -99,6 +99,24 @@ def test_works_become_enters_numbered_by_c10d_and_groups_announced_once(tr):
         (100, 4, "job/nccl-pg:7", 42, 42, "broadcast", 7, 101, "nccl")]
     assert tr.counters["p2p_left_to_api"] == 1 and tr.counters["no_group"] == 1
     assert tr.out.index(inits[0]) < tr.out.index(colls[0])  # announced before its first collective
+    assert not any(e.subgroup for e in inits)  # "7" has its size; "0" is the default group: the world
+
+
+def test_a_group_of_unknown_size_other_than_the_default_one_is_a_subgroup_whose_members_are_those_seen(tr):
+    from ccld.timeline.timeline import Timeline
+    feed(tr, work(100, "3", 1, rank=0), work(200, "3", 1, rank=1), work(100, "0", 1, rank=4),
+         work(200, "0", 1, rank=5))
+    inits = {(e.pid, e.comm): e for e in tr.out if isinstance(e, ev.CommInit)}
+    assert [inits[(p, "job/nccl-pg:3")].subgroup for p in (100, 200)] == [True, True]
+    assert [inits[(p, "job/nccl-pg:0")].subgroup for p in (100, 200)] == [False, False]
+    tl = Timeline()
+    head = [ev.RankInfo(pid=pid, rank=rank, world_size=8, local_rank=rank, node="n", job="job", ts_ns=0)
+            for pid, rank in ((100, 4), (200, 5))]
+    frame = ev.encode_batch("a", "n", 1, head + [e for e in tr.out if isinstance(e, ev.CommInit)]
+                            + [ev.ClockSample(mono_ns=0, wall_ns=10**18, ts_ns=0)])
+    tl.ingest(ev.decode_batch(frame), 1e9)
+    assert tl.expected_members("job/nccl-pg:3") == {4, 5}          # the ranks seen in it
+    assert tl.expected_members("job/nccl-pg:0") == set(range(8))   # the world, though only 2 ranks told
 
 
 def test_a_long_group_name_is_cut_and_counted(tr):
