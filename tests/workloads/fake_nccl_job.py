@@ -12,7 +12,12 @@ Faults at collective --fault-at:
   stall-link SRC DST   SRC's send steps to DST are posted and never complete; everyone else's kernel
                        waits (their receives stay posted): nobody finishes; the link is to blame
   no-kernel RANK       RANK's kernel never starts; the others' start and never finish
-Then every rank holds for --hold-s and exits 0. Prints `rank R: fault at collective K` at the onset.
+  slow-link SRC DST    from then on every send step of SRC to DST waits --slow-step-ms longer on the
+                       network (a slow InfiniBand link); the other senders' steps wait as long on their
+                       GPU (the data reaches them late), so every rank's all-reduce takes longer while
+                       all still enter each collective on time
+After a stall-link or no-kernel fault every rank holds for --hold-s and exits 0; a slow-link job runs
+its --collectives and finalizes. Prints `rank R: fault at collective K` at the onset.
 """
 import argparse
 import ctypes as C
@@ -42,12 +47,16 @@ def main():
     ap.add_argument("--fault", nargs="*", default=[])
     ap.add_argument("--fault-at", type=int, default=-1)
     ap.add_argument("--hold-s", type=float, default=10.0)
+    ap.add_argument("--slow-step-ms", type=float, default=5.0, help="slow-link: the extra wait of each step")
     a = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     lib = C.CDLL(os.environ["NCCL_PROFILER_PLUGIN"])
     n = Nccl(lib, 5)
     ctx, _mask = n.init(comm_hash=COMM_HASH, nnodes=1, nranks=world, rank=rank)
     nxt, prv = (rank + 1) % world, (rank - 1) % world
+    slow_link = a.fault[:1] == ["slow-link"]
+    slow_sender = slow_link and int(a.fault[1]) == rank and int(a.fault[2]) == nxt
+    extra_s = a.slow_step_ms / 1000
     print(f"rank {rank}: plugin loaded, starting at {a.start_at:.3f}", flush=True)
     for i in range(a.collectives):
         until(a.start_at + i * a.period_ms / 1000)
@@ -62,7 +71,7 @@ def main():
         kernel = n.start(ctx, n.kernel_ch(coll, 0, ptimer=time.time_ns()))
         send = n.start(ctx, n.proxy_op(coll, 0, nxt, True))
         recv = n.start(ctx, n.proxy_op(coll, 0, prv, False))
-        if fault:
+        if fault and not slow_link:  # stall-link, or no-kernel on the other ranks: they wait forever
             if a.fault[:1] == ["stall-link"] and int(a.fault[1]) == rank and int(a.fault[2]) == nxt:
                 for k in range(a.steps):  # posted on the network, never completed
                     s = n.start(ctx, n.proxy_step(send, k))
@@ -70,11 +79,14 @@ def main():
             r = n.start(ctx, n.proxy_step(recv, 0))
             n.record(r, ST_RECV_WAIT, n.step_args(0))  # waits for data that never comes
             break
+        slow = slow_link and i >= a.fault_at
         for k in range(a.steps):
             s = n.start(ctx, n.proxy_step(send, k))
             n.record(s, ST_SEND_GPU_WAIT, n.step_args(0))
+            if slow and not slow_sender:
+                time.sleep(extra_s)  # the data to send comes late: the ring waits on the slow link
             n.record(s, ST_SEND_WAIT, n.step_args(STEP_BYTES))
-            time.sleep(0.0002)
+            time.sleep(0.0002 + (extra_s if slow and slow_sender else 0.0))
             n.stop(s)
             r = n.start(ctx, n.proxy_step(recv, k))
             n.record(r, ST_RECV_WAIT, n.step_args(STEP_BYTES))
