@@ -37,6 +37,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import zmq  # noqa: E402
 
@@ -87,10 +88,12 @@ def node_frame(n: int, world: int, seqs: List[int], now_ns: int, wall_ns: int, f
         if not rows:
             continue
         seq_c, pid_c, rank_c, t_c = (list(c) for c in zip(*rows))
-        if columns:
+        if columns:  # packed, as agents send them (schema 1.8: n little-endian int64 per column)
+            seq_b, pid_b, rank_b = (np.array(c, "<i8").tobytes() for c in (seq_c, pid_c, rank_c))
+            t_a = np.array(t_c, "<i8")
             for kind, same, dt in (("coll", {"backend": "gloo", "comm": comm, "op": "allreduce"}, 0),
                                    ("start", {"comm": comm}, 3_000_000), ("end", {"comm": comm}, 8_000_000)):
-                cols = {"seq": seq_c, "pid": pid_c, "rank": rank_c, "ts_ns": [t + dt for t in t_c]}
+                cols = {"seq": seq_b, "pid": pid_b, "rank": rank_b, "ts_ns": (t_a + dt).tobytes()}
                 blocks.append({"k": kind, "n": len(rows), "at": len(evs), "same": same, "cols": cols})
         else:
             for seq, pid, r, t in rows:
@@ -341,7 +344,7 @@ events, else a heartbeat frame once a second); the job does `rate` world
 all-reduces a second plus one 8-rank-group collective per node each time, every rank entering (ring-ordered
 arrivals with noise), starting and ending each; {r0['seconds']:g} s of sending, then the collector drains what
 is queued. Collector in this process, storing to disk. Frames: collective events as column blocks
-(schema 1.4, what agents send) or one map per event (the old shape, for the ratio). Ingest thread: events
+(schema 1.8, packed int columns, what agents send) or one map per event (the old shape, for the ratio). Ingest thread: events
 per CPU-second of the collector's ingest thread alone (decode, store, timeline: the one core the goal
 speaks of); process: all of the collector's threads. Latency: frame built -> its events in the timeline.
 

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from ccld import wire as ev
+from ccld.wire.blocks import PACKED
 
 KIND_COLL, KIND_START, KIND_END = 0, 1, 2
 WIRE_KINDS = ("coll", "start", "end")
@@ -115,7 +116,7 @@ def concat(parts: Sequence[Rows]) -> Rows:
 
 
 def blocks(parts: Sequence[Tuple[int, Rows]], shift=None) -> List[Dict[str, Any]]:
-    """Wire blocks (ccld/wire/blocks.py's form) for the rows of one frame: `parts` are (at, rows), `at` being the
+    """Wire blocks (ccld/wire/blocks.py's form, every column packed) for the rows of one frame: `parts` are (at, rows), `at` being the
     number of the frame's plain events made before those rows. One block per shared-field set, its
     rows sorted by seq (stable, as blocks.split sorts them; readers rely on it for speed), placed at
     the first of its rows. `shift` maps a list of times to this node's reported clock (NodeClock)."""
@@ -134,8 +135,10 @@ def blocks(parts: Sequence[Tuple[int, Rows]], shift=None) -> List[Dict[str, Any]
         kind, same = rows.groups[int(g_sorted[a])]
         cols = {}
         for c in BLOCK_COLUMNS[kind]:
-            col = rows.cols[c][idx].tolist()
-            cols[c] = shift(col) if shift is not None and c == "ts_ns" else col
+            col = rows.cols[c][idx]
+            if shift is not None and c == "ts_ns":
+                col = np.array(shift(col.tolist()), np.int64)
+            cols[c] = col.astype(PACKED, copy=False).tobytes()  # packed (schema 1.8): no int per value
         out.append({"k": WIRE_KINDS[kind], "n": b - a, "at": int(ats[idx].min()), "same": dict(same),
                     "cols": cols})
     out.sort(key=lambda b: b["at"])

@@ -18,6 +18,7 @@ from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ccld.export import accel
+from ccld.wire.blocks import unpack
 from ccld.export.collectives import MAX_GROUPS, MAX_OPEN
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ def feed_frame(m: "TraceModel", agent: str, node: str, evs: list, blocks: list) 
     good = []
     for b in blocks:
         if type(b) is dict and type(b.get("at", 0)) is int:
+            b = _unpacked(b)
+        if type(b) is dict and type(b.get("at", 0)) is int:
             good.append(b)
         else:
             m.stats["bad_events"] += 1
@@ -59,6 +62,25 @@ def feed_frame(m: "TraceModel", agent: str, node: str, evs: list, blocks: list) 
     later.sort(key=_first)
     for _, b, off in later:
         block(m, agent, node, b, off)
+
+
+def _unpacked(b: dict) -> Any:
+    """The block with its packed columns (schema 1.8: n little-endian int64 as bytes) as lists of ints,
+    as the rest of this module reads columns; None when a packed column is not 8n bytes."""
+    cols = b.get("cols")
+    if type(cols) is not dict or not any(type(v) is bytes for v in cols.values()):
+        return b
+    n = b.get("n")
+    if type(n) is not int or not 0 < n <= MAX_BLOCK_ROWS:
+        return None
+    out = {}
+    for k, v in cols.items():
+        if type(v) is bytes:
+            if len(v) != 8 * n:
+                return None
+            v = unpack(v)
+        out[k] = v
+    return dict(b, cols=out)
 
 
 def _at(b: dict) -> int:

@@ -4,7 +4,7 @@ Per row what comms.py once did per event: the process's rank (the row's, else it
 processes dropped (a restarted rank's old pid), a rank new to the communicator registered, duplicates
 and ends without an enter counted, then the arrays written, blocked time added, the clock refiner
 given the successful ends, completion checked for each collective that may have completed. Anomalies
-are counted per row. A row with an int no array can hold is dropped and counted (_BOUNDS). Times: Unix
+are counted per row. A row with an int no array can hold is dropped and counted (rowbounds.py). Times: Unix
 s and the agents' base ns, converted here from each run's clock conversion (ClockTable.params, taken
 when its rows were gathered).
 Caveat: converted as gathered, a frame's ends use the clock correction of when they arrived; the
@@ -16,65 +16,17 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ccld.timeline.colltable import RANK_BITS, SEQ_BITS, SEQ_SPAN, blocks, code_of
+from ccld.timeline.colltable import SEQ_BITS, SEQ_SPAN, blocks, code_of
 from ccld.timeline.comms import comm_for_rows, completed, done_at, expected_entries, new_views
+from ccld.timeline.rowbounds import BOUNDS, bad_rows, drop
 
 if TYPE_CHECKING:
     from ccld.timeline.collrows import _Acc
     from ccld.timeline.timeline import Timeline
 
 
-# field -> [lo, hi): what a row may carry and still be kept in int64 arrays and their keys; a row outside
-# is dropped and counted (the schema's ints are unbounded; real ones are far inside)
-_BOUNDS = {"seq": (-SEQ_SPAN, SEQ_SPAN), "rank": (-(1 << 31), 1 << RANK_BITS), "pid": (-(1 << 62), 1 << 62),
-           "ts_ns": (0, 1 << 61)}
-
-
-def _bad_rows(a: _Acc) -> Dict[str, List[int]]:
-    """field -> the rows whose value lies outside _BOUNDS (or past int64: count, nbytes; a run's clock
-    conversion past +-2^61): the slow look, after a check on the arrays found one."""
-    out: Dict[str, List[int]] = {}
-    for name, (lo, hi) in _BOUNDS.items():
-        got = [i for i, v in enumerate(getattr(a, name)) if not lo <= v < hi]
-        if got:
-            out[name] = got
-    for name in ("count", "nbytes"):
-        got = [i for i, v in enumerate(a.extra.get(name, ())) if not -(1 << 62) <= v < 1 << 62]
-        if got:
-            out[name] = got
-    lim, at, got = 1 << 61, 0, []
-    for n, clk in zip(a.counts, a.clk):
-        if not all(-lim < x < lim for x in clk):
-            got.extend(range(at, at + n))
-        at += n
-    if got:
-        out["clock"] = got
-    return out
-
-
-def _drop(tl: Timeline, a: _Acc, bad: Dict[str, List[int]]) -> None:
-    """Leave out rows `bad` (field -> rows), each counted once as "<field>-out-of-range"."""
-    gone: set = set()
-    for name, rows in bad.items():
-        tl.anomalies[f"{name}-out-of-range"] += len(set(rows) - gone)
-        gone.update(rows)
-    keep = [i not in gone for i in range(a.n)]
-    for name in ("comm", "seq", "rank", "pid", "ts_ns", "node", "agent"):
-        setattr(a, name, [v for v, k in zip(getattr(a, name), keep) if k])
-    for name in list(a.extra):
-        a.extra[name] = [v for v, k in zip(a.extra[name], keep) if k]
-    runs, at = [], 0
-    for n in a.counts:  # each run of rows keeps its clock, less its dropped rows
-        runs.append(sum(keep[at:at + n]))
-        at += n
-    a.clk = [c for c, n in zip(a.clk, runs) if n]
-    a.counts = [n for n in runs if n]
-    a.events = [x for x in a.events if -SEQ_SPAN <= x[1].seq < SEQ_SPAN]
-    a.n = len(a.seq)
-
-
 def _batch(tl: Timeline, a: _Acc) -> Optional[_Batch]:
-    """The rows as arrays, those that no array can hold (or that lie outside _BOUNDS) left out,
+    """The rows as arrays, those that no array can hold (or that lie outside rowbounds.BOUNDS) left out,
     counted; None when none is left."""
     try:
         rows = _Batch(tl, a)
@@ -82,7 +34,7 @@ def _batch(tl: Timeline, a: _Acc) -> Optional[_Batch]:
             return rows
     except OverflowError:  # an int past int64
         pass
-    _drop(tl, a, _bad_rows(a))
+    drop(tl, a, bad_rows(a))
     return _Batch(tl, a) if a.n else None
 
 
@@ -100,15 +52,15 @@ class _Batch:
     def __init__(self, tl: Timeline, a: _Acc):
         self.a = a
         self.n = a.n
-        self.seq = np.array(a.seq, dtype=np.int64)
-        self.rank = np.array(a.rank, dtype=np.int64)
-        self.pid = np.array(a.pid, dtype=np.int64)
-        self.node = np.array(a.node, dtype=np.int64)
-        self.ts = ts = np.array(a.ts_ns, dtype=np.int64)
+        self.seq = a.seq.array()
+        self.rank = a.rank.array()
+        self.pid = a.pid.array()
+        self.node = a.node.array()
+        self.ts = ts = a.ts_ns.array()
         self.clk = np.array(a.clk, dtype=np.int64)
         ex = a.extra
-        self.count = np.array(ex["count"], dtype=np.int64) if "count" in ex else None
-        self.nbytes = np.array(ex["nbytes"], dtype=np.int64) if "nbytes" in ex else None
+        self.count = ex["count"].array() if "count" in ex else None
+        self.nbytes = ex["nbytes"].array() if "nbytes" in ex else None
         add, ref, drift, corr = np.repeat(self.clk, a.counts, axis=0).T
         # base = mono + add + floor(drift x (mono - ref) / 1e9), as ClockTable converts one time
         self.base = ts + add + np.floor(drift * (ts - ref).astype(np.float64) / 1e9).astype(np.int64)
@@ -126,8 +78,8 @@ class _Batch:
         self.comm = np.array(list(map(code_of_id.__getitem__, a.comm)), dtype=np.int64)
 
     def out_of_bounds(self) -> bool:
-        """Some row's value lies outside _BOUNDS, or a run's clock conversion past +-2^61."""
-        for name, (lo, hi) in _BOUNDS.items():
+        """Some row's value lies outside BOUNDS, or a run's clock conversion past +-2^61."""
+        for name, (lo, hi) in BOUNDS.items():
             v = self.ts if name == "ts_ns" else getattr(self, name)
             if len(v) and (int(v.min()) < lo or int(v.max()) >= hi):
                 return True

@@ -7,9 +7,11 @@ A flush applies all enters, then all starts, then all ends, of every communicato
 a rank does them, whatever order the frames had, in a number of array operations that does not grow
 with the number of communicators or frames (colltable.py's CollStore holds them all).
 
-Here the gathering: per kind a list per field (_Acc); collapply.py applies them. Bounds: FLUSH_ROWS
-(timeline.py) rows at most between flushes, and each flush ends with the communicators it touched
-brought back to their collective bound (comms.evict).
+Here the gathering: per kind a list per field (_Acc); an int field as the chunks it came in (IntColumn,
+intcol.py: a block's packed column is kept as its bytes, a shared value as its 8 bytes repeated), so a flush reads
+each int field of every frame with one join and one np.frombuffer; collapply.py applies them. Bounds:
+FLUSH_ROWS (timeline.py) rows at most between flushes, and each flush ends with the communicators it
+touched brought back to their collective bound (comms.evict).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 from ccld import wire as ev
 from ccld.timeline.collapply import apply
+from ccld.timeline.intcol import IntColumn
 from ccld.timeline.comms import evict
 
 if TYPE_CHECKING:
@@ -27,6 +30,7 @@ KINDS = ("coll", "start", "end")
 _EXTRA = {"coll": (("op", ""), ("backend", ""), ("count", -1), ("dtype", ""), ("nbytes", -1)),
           "start": (), "end": (("ok", True), ("error", ""))}
 _KEY = (("seq", -1), ("rank", -1), ("pid", -1), ("ts_ns", 0))
+INT_EXTRA = frozenset({"count", "nbytes"})  # the int fields among _EXTRA's
 
 
 class _Acc:
@@ -36,17 +40,16 @@ class _Acc:
 
     def __init__(self, kind: str):
         self.comm: List[str] = []
-        self.seq: List[int] = []
-        self.rank: List[int] = []
-        self.pid: List[int] = []
-        self.ts_ns: List[int] = []
-        self.node: List[int] = []
+        self.seq, self.rank, self.pid, self.ts_ns, self.node = IntColumn(), IntColumn(), IntColumn(), IntColumn(), IntColumn()
         self.agent: List[str] = []
-        self.extra: Dict[str, List[Any]] = {name: [] for name, _ in _EXTRA[kind]}
+        self.extra: Dict[str, Any] = {name: IntColumn() if name in INT_EXTRA else [] for name, _ in _EXTRA[kind]}
         self.counts: List[int] = []
         self.clk: List[Tuple[int, int, int, int]] = []
         self.events: List[Tuple[str, ev.Event]] = []  # NCCL enters kept as events for the GPU join
         self.n = 0
+
+
+_NONE: Dict[str, bytes] = {}  # a block's packed columns when it has none
 
 
 class Rows:
@@ -60,22 +63,42 @@ class Rows:
     def block(self, agent: str, node: str, b: Any) -> None:
         """All rows of column block `b` (ccld/wire/blocks.py) of `agent`, whose clock is known."""
         tl = self.tl
-        same, cols, n, kind = b.same, b.cols, b.n, b.kind
+        same, cols, n, kind = b.same, b.lists, b.n, b.kind  # lists: packed columns stay packed (b.bin)
         comm = same.get("comm")
         if comm is None or (kind == "coll" and tl.gpu.capture and same.get("backend") == "nccl"
-                            and tl.gpu.capturing(node, set(cols.get("pid", [same.get("pid", -1)])))):
+                            and tl.gpu.capturing(node, set(b.cols.get("pid", [same.get("pid", -1)])))):
             for e in b.rows():  # the communicator as a column; or NCCL enters the kernel join takes as events
                 self.event(agent, node, e)
             return
         a = self.acc[kind]
         a.comm.extend([comm] * n)
+        packed = b.bin or _NONE
         for name, default in _KEY:
-            v = cols.get(name)
-            getattr(a, name).extend(v if v is not None else [same.get(name, default)] * n)
+            got = packed.get(name)
+            if got is not None:
+                getattr(a, name).packed(got)
+            else:
+                v = cols.get(name)
+                if v is not None:
+                    getattr(a, name).values(v)
+                else:
+                    getattr(a, name).same(same.get(name, default), n)
         for name, default in _EXTRA[kind]:
+            acc = a.extra[name]
+            if name in INT_EXTRA:
+                got = packed.get(name)
+                if got is not None:
+                    acc.packed(got)
+                    continue
+                v = cols.get(name)
+                if v is not None:
+                    acc.values(v)
+                else:
+                    acc.same(same.get(name, default), n)
+                continue
             v = cols.get(name)
-            a.extra[name].extend(v if v is not None else [same.get(name, default)] * n)
-        a.node.extend([tl.node_code(node)] * n)
+            acc.extend(v if v is not None else [same.get(name, default)] * n)
+        a.node.same(tl.node_code(node), n)
         a.agent.extend([agent] * n)
         a.counts.append(n)
         a.clk.append(tl.clock.params(agent))
@@ -88,13 +111,16 @@ class Rows:
         kind = e.KIND
         a = self.acc[kind]
         a.comm.append(e.comm)
-        a.seq.append(e.seq)
-        a.rank.append(e.rank)
-        a.pid.append(e.pid)
-        a.ts_ns.append(e.ts_ns)
+        a.seq.one(e.seq)
+        a.rank.one(e.rank)
+        a.pid.one(e.pid)
+        a.ts_ns.one(e.ts_ns)
         for name, values in a.extra.items():
-            values.append(getattr(e, name))
-        a.node.append(tl.node_code(node))
+            if name in INT_EXTRA:
+                values.one(getattr(e, name))
+            else:
+                values.append(getattr(e, name))
+        a.node.one(tl.node_code(node))
         a.agent.append(agent)
         clk = tl.clock.params(agent)
         if a.clk and a.clk[-1] == clk:

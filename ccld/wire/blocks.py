@@ -11,7 +11,11 @@ one kind that agree on every field but the per-rank ones, as columns:
 
 `at` is how many entries of the frame's "events" list came before the block's first event, so a
 reader can replay the frame in (nearly) the order it was made: a block's rows are placed together at
-its first row. Any field may be in `same` or in `cols`; a reader must accept both. Times: as in
+its first row. Any field may be in `same` or in `cols`; a reader must accept both. Since 1.8 a column
+of an int field may also be *packed*: a MessagePack bin of n little-endian int64 (what agents send: no
+MessagePack int, Python int or type check per value; the timeline joins the bytes of a whole ingest
+and reads each field with one np.frombuffer). Block.bin keeps those bytes; Block.cols unpacks them
+into lists on first use, for every reader that wants values. Times: as in
 schema.py (the sender's CLOCK_MONOTONIC ns); nothing here converts them. Values are checked by the
 same validator as maps' (validate.py): read_fields, field by field. A block whose every field is known and
 of an exact type (int, str, bool), as agents send them, is first tried by _fits, a few tight loops that
@@ -26,7 +30,9 @@ import bisect
 import dataclasses
 import itertools
 import operator
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from ccld.wire.schema import EVENT_TYPES, Event, field_types
 from ccld.wire.validate import (EXACT_TYPES, MAX_EVENTS_PER_FRAME, FrameError, Rejects, column_problem, read_spec, show,
@@ -42,16 +48,43 @@ ROW_FIELDS: Dict[str, Tuple[str, ...]] = {
 }
 
 
-class Block:
-    """One validated block: `n` events of `kind` sharing `same`, with per-event `cols` (lists of n)."""
-    __slots__ = ("kind", "n", "at", "same", "cols")
+PACKED = "<i8"  # a packed column's values: little-endian int64
 
-    def __init__(self, kind: str, n: int, at: int, same: Dict[str, Any], cols: Dict[str, List[Any]]):
+
+def unpack(raw: bytes) -> List[int]:
+    """A packed column's values."""
+    values: List[int] = np.frombuffer(raw, PACKED).tolist()
+    return values
+
+
+class Block:
+    """One validated block: `n` events of `kind` sharing `same`, with per-event `cols` (lists of n);
+    `bin`: the columns that came packed (name -> 8n bytes), None when none did."""
+    __slots__ = ("kind", "n", "at", "same", "_cols", "bin")
+
+    def __init__(self, kind: str, n: int, at: int, same: Dict[str, Any], cols: Dict[str, List[Any]],
+                 bin: Optional[Dict[str, bytes]] = None):
         self.kind = kind  # one store a slot, not a tuple unpacked: read_block makes one Block a block
         self.n = n
         self.at = at
         self.same = same
-        self.cols = cols
+        self._cols = cols
+        self.bin = bin
+
+    @property
+    def lists(self) -> Dict[str, List[Any]]:
+        """The columns that are lists now (those that came packed are in `bin` until `cols` unpacks them)."""
+        return self._cols
+
+    @property
+    def cols(self) -> Dict[str, List[Any]]:
+        """Every column as a list of values: packed ones are unpacked (once; `bin` is then None, since
+        a reader may reorder or replace the lists: seq_runs, align)."""
+        if self.bin:
+            for name, raw in self.bin.items():
+                self._cols[name] = unpack(raw)
+            self.bin = None
+        return self._cols
 
     def rows(self) -> List[Event]:
         """The block as event objects (the slow, general way to read it)."""
@@ -178,19 +211,25 @@ def read_block(raw: Any, n_events: int) -> Block:
         raise FrameError("bad-block", f"block of {kind!r}: 'at' should be an int in 0..{n_events}, got {show(at)}")
     if type(same) is not dict or type(cols) is not dict:
         raise FrameError("bad-block", f"block of {kind!r}: 'same' and 'cols' should be maps")
-    if _fits(exact, n_req, n, same, cols):
+    got = _fits(exact, n_req, n, same, cols)
+    if got is True:
         return Block(kind, n, at, same.copy(), cols.copy())  # copies: seq_runs reorders b.cols in place
+    if got:  # some columns packed
+        return Block(kind, n, at, same.copy(), {k: v for k, v in cols.items() if type(v) is list},
+                     {k: v for k, v in cols.items() if type(v) is bytes})
     return read_fields(kind, cls, n, at, same, cols)
 
 
-def _fits(exact: Dict[str, Tuple[type, int]], n_req: int, n: int, same: Dict[Any, Any], cols: Dict[Any, Any]) -> bool:
-    """True only when read_fields would accept the block and keep every field (so the Block is the same):
-    every name a str naming a field of an exact type, every value of that very type, every column a list
-    of n, none both shared and a column, every required field there (counted: the names are distinct), at
-    least one column. False sends a block to read_fields (a bad value, an unknown field, a List field, ...),
-    which names the first problem. Python loops, not set(map(type, col)): for a block's few fields and rows
+def _fits(exact: Dict[str, Tuple[type, int]], n_req: int, n: int, same: Dict[Any, Any], cols: Dict[Any, Any]) -> Any:
+    """True (or "packed", when some columns are) only when read_fields would accept the block and keep
+    every field (so the Block is the same): every name a str naming a field of an exact type, every
+    value of that very type, every column a list of n (or, for an int field, 8n packed bytes), none both
+    shared and a column, every required field there (counted: the names are distinct), at least one
+    column. False sends a block to read_fields (a bad value, an unknown field, a List field, ...), which
+    names the first problem. Python loops, not set(map(type, col)): for a block's few fields and rows
     they are the cheaper (and a hit is the common case)."""
     seen_req = 0
+    packed = False
     try:
         for name, value in same.items():
             if type(name) is not str:
@@ -203,6 +242,10 @@ def _fits(exact: Dict[str, Tuple[type, int]], n_req: int, n: int, same: Dict[Any
             if type(name) is not str:
                 return False
             t, req = exact[name]
+            if type(col) is bytes and t is int and len(col) == 8 * n and name not in same:
+                packed = True
+                seen_req += req
+                continue
             if type(col) is not list or len(col) != n or name in same:
                 return False
             if n <= SHORT_COLUMN:
@@ -214,13 +257,17 @@ def _fits(exact: Dict[str, Tuple[type, int]], n_req: int, n: int, same: Dict[Any
             seen_req += req
     except KeyError:
         return False
-    return seen_req == n_req and bool(cols)
+    if seen_req != n_req or not cols:
+        return False
+    return "packed" if packed else True
 
 
 def read_fields(kind: str, cls: type, n: int, at: int, same: Dict[Any, Any], cols: Dict[Any, Any]) -> Block:
     """The full check of a block's fields, one by one: the first problem is the one named."""
     req, opt = field_types(cls)
-    known_same, known_cols = {}, {}
+    known_same: Dict[str, Any] = {}
+    known_cols: Dict[str, List[Any]] = {}
+    known_bin: Dict[str, bytes] = {}
     for name, value in same.items():
         declared = req.get(name) or opt.get(name) if type(name) is str else None
         if declared is None:
@@ -233,23 +280,31 @@ def read_fields(kind: str, cls: type, n: int, at: int, same: Dict[Any, Any], col
         declared = req.get(name) or opt.get(name) if type(name) is str else None
         if declared is None:
             continue
-        if type(col) is not list or len(col) != n:
+        if type(col) is bytes:  # packed (1.8): n little-endian int64, for int fields only
+            if declared != "int":
+                raise FrameError("bad-field", f"block of {kind!r}: column {name!r} is packed bytes, but only int "
+                                              f"fields may be; it should be a list of {n} {declared}")
+            if len(col) != 8 * n:
+                raise FrameError("bad-block", f"block of {kind!r}: packed column {name!r} has {len(col)} bytes, "
+                                              f"should have {8 * n} ({n} little-endian int64)")
+        elif type(col) is not list or len(col) != n:
             raise FrameError("bad-block", f"block of {kind!r}: column {name!r} should be a list of {n}, got "
                                           f"{type(col).__name__}{' of ' + str(len(col)) if type(col) is list else ''}")
-        got = column_problem(declared, col)
-        if got is not None:
-            raise FrameError("bad-field", f"block of {kind!r}: column {name!r} should hold {declared}, has {got}")
+        else:
+            got = column_problem(declared, col)
+            if got is not None:
+                raise FrameError("bad-field", f"block of {kind!r}: column {name!r} should hold {declared}, has {got}")
         if name in known_same:
             raise FrameError("bad-block", f"block of {kind!r}: field {name!r} is both shared and a column")
-        known_cols[name] = col
+        (known_bin if type(col) is bytes else known_cols)[name] = col
     for name in req:
-        if name not in known_same and name not in known_cols:
+        if name not in known_same and name not in known_cols and name not in known_bin:
             raise FrameError("missing-field", f"block of {kind!r}: missing field {name!r}")
-    if n > 1 and not known_cols:
+    if n > 1 and not known_cols and not known_bin:
         # n identical events (not even ts_ns differs): nothing makes them, and a few bytes would cost
         # the collector n events' work (a column costs the sender a byte a row at least)
         raise FrameError("bad-block", f"block of {kind!r}: {n} rows but no column")
-    return Block(kind, n, at, known_same, known_cols)
+    return Block(kind, n, at, known_same, known_cols, known_bin or None)
 
 
 def read_blocks(raw: Any, n_events: int, rejects: Rejects) -> Tuple[List[Block], int]:

@@ -91,6 +91,9 @@ BAD_BLOCKS = [
     ("shared field of the wrong type", dict(GOOD_BLOCK, same={"comm": 5}), "bad-field", 2),
     ("missing field", dict(GOOD_BLOCK, same={}), "missing-field", 2),
     ("both shared and a column", dict(GOOD_BLOCK, same={"comm": "c", "seq": 4}), "bad-block", 2),
+    ("packed column short", dict(GOOD_BLOCK, cols=dict(GOOD_BLOCK["cols"], pid=b"\0" * 15)), "bad-block", 2),
+    ("packed column of a str field", dict(GOOD_BLOCK, cols=dict(GOOD_BLOCK["cols"], comm=b"\0" * 16),
+                                          same={}), "bad-field", 2),
 ]
 
 
@@ -205,14 +208,27 @@ def random_job(rnd: random.Random):
     return frames
 
 
-def feed(frames, fast: bool) -> Timeline:
-    """The frames into a timeline, one ingest each: as column blocks (fast), or their events materialized
-    in the same order (Batch.events) as one map each."""
+def packed(frame: bytes) -> bytes:
+    """The frame with every int column of its blocks packed (schema 1.8: n little-endian int64 as bytes),
+    as agents send them."""
+    import numpy as np
+    env = msgpack.unpackb(frame, raw=False)
+    for b in env.get("blocks", ()):
+        b["cols"] = {k: np.array(v, "<i8").tobytes() if all(type(x) is int for x in v) else v
+                     for k, v in b["cols"].items()}
+    return msgpack.packb(env, use_bin_type=True)
+
+
+def feed(frames, fast: bool, pack: bool = False) -> Timeline:
+    """The frames into a timeline, one ingest each: as column blocks (fast; their int columns packed
+    with `pack`), or their events materialized in the same order (Batch.events) as one map each."""
     tl = Timeline()
     batch_no = {}
     for n, evs in frames:
         batch_no[n] = batch_no.get(n, 0) + 1
-        b = ev.decode_batch(ev.encode_batch(f"agent-{n}", f"n{n}", batch_no[n], evs))
+        frame = ev.encode_batch(f"agent-{n}", f"n{n}", batch_no[n], evs)
+        b = ev.decode_batch(packed(frame) if pack else frame)
+        assert not pack or all(x.bin for x in b.blocks)  # the packed path is the one taken
         if not fast:
             b = ev.Batch(b.agent, b.node, b.batch, b.version, b.events)
         tl.ingest(b, 1.0)
@@ -225,6 +241,22 @@ def test_blocks_leave_the_same_timeline_as_maps(seed):
     fast, slow = feed(frames, True), feed(frames, False)
     assert snapshot(fast) == snapshot(slow)
     assert sum(fast.events_by_kind.values()) == sum(len(evs) for _, evs in frames)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_packed_columns_leave_the_same_timeline_as_lists_and_as_maps(seed):
+    frames = random_job(random.Random(seed))
+    assert snapshot(feed(frames, True, pack=True)) == snapshot(feed(frames, False))
+
+
+def test_packed_columns_read_as_the_values_they_pack():
+    evs = [coll(r, 9 + r % 2, T0_NS + r, count=2 ** 40 + r) for r in range(5)] + [end(r, 9, T0_NS + 50 + r)
+                                                                                    for r in range(3)]
+    frame = ev.encode_batch("a1", "n1", 1, evs)
+    b = ev.decode_batch(packed(frame))
+    assert sorted(b.blocks[0].bin) == ["pid", "rank", "seq", "tid", "ts_ns"]
+    assert [e.to_wire() for e in b.events] == [e.to_wire() for e in ev.decode_batch(frame).events]
+    assert b.blocks[0].bin is None  # unpacked for the event reader, once
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -405,3 +437,21 @@ def test_a_block_with_every_field_shared_is_one_event_and_more_rows_are_refused(
     batch, err = decode_frame(env(blocks_=[dict(one, n=60_000), GOOD_BLOCK]), c)
     assert err is None and len(batch) == 2 and c.bad_events == {"bad-block": 60_000}
     assert "no column" in str(batch.errors[0])
+
+
+def test_an_int_past_int64_among_packed_rows_is_dropped_and_counted_alone():
+    """The rows of an ingest are read as one array per field: packed columns joined, list columns (older
+    senders) converted. A list value no int64 holds drops its row (counted), not the packed rows."""
+    head = [ev.RankInfo(pid=100 + r, rank=r, world_size=2, local_rank=r, node="n1", job="j", ts_ns=T0_NS)
+            for r in range(2)]
+    head += [ev.CommInit(pid=100 + r, rank=r, ts_ns=T0_NS, backend="gloo", comm="j/gloo:0", group_rank=r,
+                         group_size=2) for r in range(2)]
+    clock = ev.ClockSample(mono_ns=T0_NS, wall_ns=T0_NS + 10 ** 18, ts_ns=T0_NS)
+    good = ev.encode_batch("a1", "n1", 1, head + [coll(r, 1, T0_NS + r) for r in range(2)] + [clock])
+    odd = msgpack.unpackb(ev.encode_batch("a1", "n1", 2, [coll(r, 2, T0_NS + 9) for r in range(2)]), raw=False)
+    odd["blocks"][0]["cols"]["seq"] = [2, 2 ** 63]  # a list column (an older sender's), one value past int64
+    tl = Timeline()
+    tl.ingest_many([(ev.decode_batch(packed(good)), 1.0), (ev.decode_batch(msgpack.packb(odd)), 1.0)])
+    g = tl.comms["j/gloo:0"]
+    assert set(g.colls[1].enter) == {0, 1} and set(g.colls[2].enter) == {0}
+    assert tl.anomalies["seq-out-of-range"] == 1

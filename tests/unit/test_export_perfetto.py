@@ -463,6 +463,18 @@ def _as_blocks(frame):
     return msgpack.packb(env, use_bin_type=True)
 
 
+def _packed(frame):
+    """The frame with its blocks' int columns packed (schema 1.8: little-endian int64 bytes), as agents
+    send them."""
+    import msgpack
+    import numpy as np
+    env = msgpack.unpackb(frame, raw=False)
+    for b in env.get("blocks", ()):
+        b["cols"] = {k: np.array(v, "<i8").tobytes() for k, v in b["cols"].items()}
+    env["v"] = [1, 8]
+    return msgpack.packb(env, use_bin_type=True)
+
+
 def _content(t):
     """A trace's slices, instants and counters by (rank, track, name, times, args), flows as the
     (rank, track, seq) they join: comparable across traces whose uuids and flow ids differ."""
@@ -481,12 +493,14 @@ def _content(t):
 
 
 def test_frames_as_maps_and_as_column_blocks_give_the_same_trace(recorded, tmp_path):
-    """Stores from before schema 1.4 (every event a map) and after (coll/start/end as column blocks)
-    are exported alike: the trace's content is the same, only the model's input path differs."""
+    """Stores from before schema 1.4 (every event a map), after (coll/start/end as column blocks) and
+    after 1.8 (their columns packed) are exported alike: the trace's content is the same, only the
+    model's input path differs."""
     from ccld.store import read_store
     store, _, _ = recorded
     got = {}
-    for shape, convert in (("maps", _as_maps), ("blocks", lambda f: _as_blocks(_as_maps(f)))):
+    for shape, convert in (("maps", _as_maps), ("blocks", lambda f: _as_blocks(_as_maps(f))),
+                           ("packed", lambda f: _packed(_as_blocks(_as_maps(f))))):
         path = tmp_path / shape
         w = StoreWriter(str(path))
         for recv, frame in read_store(str(store)):
@@ -498,7 +512,7 @@ def test_frames_as_maps_and_as_column_blocks_give_the_same_trace(recorded, tmp_p
         t = parse(out)
         assert t.errors == [] and stats["bad_events"] == 0 and stats["anomalies"] == {}
         got[shape] = _content(t)
-    assert len(got["maps"][0]) > 4 * N_OK * 2 and got["maps"] == got["blocks"]
+    assert len(got["maps"][0]) > 4 * N_OK * 2 and got["maps"] == got["blocks"] == got["packed"]
 
 
 def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):

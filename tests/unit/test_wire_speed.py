@@ -15,6 +15,7 @@ import os
 from unittest import mock
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
@@ -65,7 +66,7 @@ def blocks_(draw):
     b = good_block(kind, n, in_cols, draw(st.booleans()))
     for _ in range(draw(st.integers(0, 3))):
         how = draw(st.sampled_from(["same-junk", "row-junk", "length", "not-list", "unknown", "odd-name",
-                                    "both", "drop", "no-cols", "n", "subclass-row"]))
+                                    "both", "drop", "no-cols", "n", "subclass-row", "pack", "pack"]))
         same, cols = b["same"], b["cols"]
         if how == "same-junk" and same:
             same[draw(st.sampled_from(names(same)))] = draw(st.sampled_from(JUNK))
@@ -107,6 +108,14 @@ def blocks_(draw):
             b["cols"] = {}
         elif how == "n":
             b["n"] = draw(st.sampled_from([1, n + 1, max(1, n - 1)]))
+        elif how == "pack" and cols:  # schema 1.8: a column as n little-endian int64 (bytes)
+            name = draw(st.sampled_from(names(cols)))
+            col = cols[name]
+            if type(col) is list:
+                ints = all(type(x) is int and -(1 << 63) <= x < 1 << 63 for x in col)
+                packed = np.array(col, "<i8").tobytes() if ints else b"\0" * (8 * len(col))
+                cut = draw(st.sampled_from([0, 0, 0, 1, 8, -8]))  # mostly whole, else bytes short or over
+                cols[name] = packed[:len(packed) - cut] if cut > 0 else packed + b"\1" * -cut
     return b
 
 
@@ -117,9 +126,9 @@ def outcome(raw, n_events=0):
         b = blocks.read_block(raw, n_events)
     except ev.FrameError as e:
         return ("error", e.reason, str(e))
-    assert b.same is not raw["same"] and b.cols is not raw["cols"]  # the Block's maps are its own
+    assert b.same is not raw["same"] and b.lists is not raw["cols"]  # the Block's maps are its own
     return ("block", b.kind, b.n, b.at, [(type(k), k, type(v), id(v)) for k, v in b.same.items()],
-            [(type(k), k, id(v)) for k, v in b.cols.items()])
+            [(type(k), k, id(v)) for k, v in b.lists.items()], sorted((b.bin or {}).items()))
 
 
 def full_check():
