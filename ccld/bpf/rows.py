@@ -25,6 +25,7 @@ BLOCK_COLUMNS = {KIND_COLL: ("seq", "pid", "rank", "ts_ns", "tid", "lib_seq"),
                  KIND_START: ("seq", "pid", "rank", "ts_ns"),
                  KIND_END: ("seq", "pid", "rank", "ts_ns")}
 _CLASSES = {KIND_COLL: ev.CollEnter, KIND_START: ev.WorkStart, KIND_END: ev.WorkEnd}
+_PACKED = np.dtype(PACKED)  # made once: a dtype from its string costs more than a small column's copy
 MAX_GROUPS = 65536  # distinct shared-field sets one translator keeps numbered before starting afresh
 
 
@@ -138,7 +139,7 @@ def blocks(parts: Sequence[Tuple[int, Rows]], shift=None) -> List[Dict[str, Any]
             col = rows.cols[c][idx]
             if shift is not None and c == "ts_ns":
                 col = np.array(shift(col.tolist()), np.int64)
-            cols[c] = col.astype(PACKED, copy=False).tobytes()  # packed (schema 1.8): no int per value
+            cols[c] = (col if col.dtype == _PACKED else col.astype(_PACKED)).tobytes()  # packed (1.8): no int per value
         out.append({"k": WIRE_KINDS[kind], "n": b - a, "at": int(ats[idx].min()), "same": dict(same),
                     "cols": cols})
     out.sort(key=lambda b: b["at"])
