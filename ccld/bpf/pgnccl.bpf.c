@@ -142,8 +142,10 @@ int work_new(struct pt_regs *ctx)
     struct { u64 data; u64 len; } s = {};
     bpf_probe_read_user(&s, sizeof(s), (void *)PT_REGS_PARM2(ctx));
     r->uid_len = s.len > 0xffff ? 0xffff : (u16)s.len;
-    /* std::string's data is NUL-terminated (c_str()): read up to the NUL, at most the room we have */
-    r->uid[0] = 0;
+    /* std::string's data is NUL-terminated (c_str()): read up to the NUL, at most the room we have. The
+     * slot is not zeroed by ringbuf_reserve (an earlier record's bytes are there once the ring wraps):
+     * the name's room is cleared first, so nothing but the name and NULs reaches user space. */
+    __builtin_memset(r->uid, 0, sizeof(r->uid));
     if (s.data)
         bpf_probe_read_user_str(r->uid, sizeof(r->uid), (void *)s.data);
     events.ringbuf_submit(r, CCLD_SUBMIT_FLAGS);

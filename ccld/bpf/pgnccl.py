@@ -97,10 +97,9 @@ class PgncclTranslator:
         """Every record of one drain, in ring order: groups built are rare (record by record), works
         are read as arrays."""
         out = Builder(self.groups)
-        for k, row in zip(kinds.tolist(), rows):
-            if k == PG:
-                r = PgncclFamily.KINDS.record(row)
-                self.sizes[(r.hdr.tgid, r.pg)] = (r.rank, r.size)
+        for i in np.flatnonzero(kinds == PG).tolist():
+            r = PgncclFamily.KINDS.record(rows[i])
+            self.sizes[(r.hdr.tgid, r.pg)] = (r.rank, r.size)
         works = kinds == WORK
         if works.any():
             self._works(out, records.view(rows[works], PgncclFamily.KINDS.dtypes[WORK]))
@@ -130,7 +129,8 @@ class PgncclTranslator:
                                                               r["rank"].tolist())):
             rank, job = self.procs[p]
             ranks[i] = rank
-            comm = self._comm(out, p, rank, job, uid.decode("utf-8", "replace"), ulen, pg, grank, int(ts[i]))
+            name = uid.split(b"\0", 1)[0].decode("utf-8", "replace")  # what follows a NUL is not the name
+            comm = self._comm(out, p, rank, job, name, ulen, pg, grank, int(ts[i]))
             gids[i] = self.groups.id(KIND_COLL, {"backend": "nccl", "comm": comm, "op": OP_LIST[op]})
         seq = r["seq"].astype(np.int64)
         out.add(np.full(n, KIND_COLL, np.uint8), gids,
@@ -143,8 +143,8 @@ class PgncclTranslator:
         name = self.named.get((pid, uid))
         if name is not None:
             return name
-        if ulen > UID_BYTES:
-            self.counters["cut_names"] += 1  # two names equal in their first 48 bytes would be one
+        if ulen >= UID_BYTES:
+            self.counters["cut_names"] += 1  # 47 bytes and a NUL are kept: names equal that far are one
         got = self.sizes.get((pid, pg)) if pg else None
         if got is None:
             self.counters["no_group"] += 1  # built before we attached: its size is unknown

@@ -40,9 +40,11 @@ def feed_frame(m: "TraceModel", agent: str, node: str, evs: list, blocks: list) 
     good = []
     for b in blocks:
         if type(b) is dict and type(b.get("at", 0)) is int:
-            b = _unpacked(b)
-        if type(b) is dict and type(b.get("at", 0)) is int:
-            good.append(b)
+            u = _unpacked(b)
+            if u is None:  # a packed column of the wrong length (or a bad n): the block's rows are bad
+                m.stats["bad_events"] += rows_in([b])
+            else:
+                good.append(u)
         else:
             m.stats["bad_events"] += 1
     good.sort(key=_at)

@@ -42,6 +42,7 @@ class Collectives:
         self.comm_job: Dict[str, str] = {}
         self.comm_backend: Dict[str, str] = {}
         self.comm_members: Dict[str, set] = {}
+        self.subgroups: set = set()               # comms of unknown size known not to be the world
         self.expected: Dict[str, int] = {}        # comm -> ranks expected in each collective (cache)
         # (proc, comm, seq) -> [enter ts, (op, count, dtype, nbytes), start ts or 0, gpu.KEnter or None]
         self.open: Dict[Tuple[Proc, str, int], list] = {}
@@ -63,10 +64,12 @@ class Collectives:
             self.worlds[job] = max(self.worlds.get(job, 0), world)
             self.expected.clear()
 
-    def note_comm(self, comm: str, backend: str, group_size: Any, rank: int, job: str) -> None:
+    def note_comm(self, comm: str, backend: str, group_size: Any, rank: int, job: str, subgroup: Any = False) -> None:
         self.comm_backend.setdefault(comm, backend)
         if type(group_size) is int and group_size > 0:
             self.comm_size[comm] = group_size
+        if subgroup is True:  # of unknown size, not the world (CommInit.subgroup): its members are those seen
+            self.subgroups.add(comm)
         self.comm_members.setdefault(comm, set()).add(rank)
         if job:
             self.comm_job.setdefault(comm, job)
@@ -82,7 +85,10 @@ class Collectives:
         ranks = self.m.ranks
         gs = self.comm_size.get(comm, -1)
         world = self.worlds.get(self.comm_job.get(comm, ""), -1)
-        if world > 0 and (gs < 0 or gs == world):
+        if gs < 0 and comm in self.subgroups:
+            seen = self.comm_members.get(comm, set())
+            n = len(seen) if ranks is None else len(ranks & seen)
+        elif world > 0 and (gs < 0 or gs == world):
             n = world if ranks is None else sum(1 for r in ranks if r < world)  # not range(world): 2^64 in a bad store
         elif gs > 0:
             n = gs if ranks is None else len(ranks & self.comm_members.get(comm, set()))

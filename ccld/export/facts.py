@@ -69,7 +69,7 @@ def rare(m: "TraceModel", agent: str, node: str, procs: Dict[int, Proc], k: str,
     elif k == "comm":
         p = procs.get(e["pid"])
         m.colls.note_comm(e["comm"], e.get("backend", ""), e["group_size"], e["rank"],
-                             p.job if p is not None else "")
+                             p.job if p is not None else "", e.get("subgroup", False))
         m.nccl.note_comm(e["comm"], e.get("group_rank", -1), e["rank"])  # names NetProgress peers
     elif k == "p2p":
         p = procs.get(e["pid"]) or m.new_proc(node, e["pid"], e["rank"])

@@ -10,8 +10,9 @@ sample; per communicator, comms.py's (MAX_COLLS_PER_COMM collectives, MAX_COMMS 
 Whatever falls outside a bound, and every odd event (end without enter, unknown pid, duplicate),
 is counted in `anomalies`, never fatal. Not thread-safe: the caller serialises ingest and reads.
 Caveat: a communicator whose group size is unknown (attached after init) is assumed to span its
-job's whole world, except an NCCL one named by one process's handle: align.py joins those across
-ranks, by their op streams and enter times, and rewrites their events at ingest.
+job's whole world, except one its CommInit marks a subgroup (its members: the ranks seen in it) and
+an NCCL one named by one process's handle: align.py joins those across ranks, by their op streams
+and enter times, and rewrites their events at ingest.
 Here: the ingest of one or several frames, each event dispatched by kind, and the questions the
 analyses ask. The records are records.py's; every collective enter, start and end (a column block's
 rows, or one event) is gathered and applied as rows by collrows.py, the other communicator events one
@@ -297,7 +298,8 @@ class Timeline:
         """Global ranks that must take part in every collective of `comm_id`.
 
         The whole world of the job when the group spans it (or its size is unknown, which happens
-        when we attached after the group was built) and the agents have announced enough of that world
+        when we attached after the group was built, and no CommInit said it is a subgroup: pgnccl
+        marks PyTorch's non-default groups so) and the agents have announced enough of that world
         to believe it (at least half of it, or it is small); otherwise the ranks that announced it. A
         world no agent backs (a frame claiming 2^17 ranks, a job traced on a few of its nodes) would
         make every tick weigh ranks nobody reports.

@@ -7,8 +7,9 @@ Times: every `ts_ns` is CLOCK_MONOTONIC nanoseconds of the node that made the ev
 bpf_ktime_get_ns and Python's time.monotonic_ns share that clock). Nothing here converts clocks:
 the collector does that in one place (`timeline.clock`), from the agent's `clock` samples.
 Compatibility: a frame with a newer MAJOR is rejected; a newer MINOR is read, unknown fields are
-ignored and events of an unknown kind are skipped and counted (codec.py). Field names follow
-PyTorch's vocabulary (process group, seq, group size, count, dtype): traces join with FR and Kineto.
+ignored and events of an unknown kind skipped and counted (codec.py; but readers of 1.7 and older
+refuse 1.8's packed columns: blocks.py). Field names follow PyTorch's vocabulary (process group, seq,
+group size, count, dtype): traces join with Flight Recorder and Kineto.
 """
 from __future__ import annotations
 
@@ -17,10 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Tuple, Type
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 8  # 1.1 added link, sched, qp and nic; 1.2 gpu_kernel, gpu_memop, gpu_loss (CUPTI); 1.3 clock_sync;
-                  # 1.4 column blocks (blocks.py) for coll/start/end; the envelope's "resend" flag;
-                  # 1.5 p2p_end, P2P's seq/nbytes/lib_seq, CollEnter's lib_seq, CommInit's seq_source;
-                  # 1.6 RankExit's exact, signal and by_launcher; 1.7 net_progress, compute; 1.8 CommInit's subgroup
+SCHEMA_MINOR = 8  # 1.1 link, sched, qp, nic; 1.2 gpu_kernel, gpu_memop, gpu_loss; 1.3 clock_sync; 1.4 column
+                  # blocks, "resend"; 1.5 p2p_end, P2P's seq/nbytes/lib_seq, CollEnter's lib_seq, CommInit's seq_source;
+                  # 1.6 RankExit's exact/signal/by_launcher; 1.7 net_progress, compute; 1.8 packed columns, subgroup
 # CommInit.seq_source: how a rank numbers `seq` (collectives) and P2P.seq on that communicator
 SEQ_LIBRARY = "library"      # the library's own collective counter (gloo: c10d's tag): exact, also mid-run
 SEQ_FROM_INIT = "counted"    # counted by the agent from the group's creation: exact

@@ -534,6 +534,7 @@ def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):
            dict(base, same={"comm": job.comm}, cols=cols),            # no op: the general path counts it
            dict(base, k="from-the-future", cols=cols),                # a kind newer than this exporter
            dict(base, cols=dict(cols, seq=[10, 10], ts_ns=ts)),       # a good one: seq 10 entered
+           dict(base, cols=dict(cols, seq=b"\0" * 15)),               # a packed column (1.8) a byte short
            [1, 2], "block", None]
     frame = msgpack.packb({"v": [1, 4], "agent": a.agent, "node": a.node, "batch": 99,
                            "events": [a.clock(t + 0.2).to_wire()], "blocks": bad})
@@ -548,7 +549,7 @@ def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):
         out = tmp_path / name
         stats = export(str(tmp_path / "s"), str(out), findings=[])
         assert stats["frames_rejected"] == {"bad-envelope": 1}
-        assert stats["bad_events"] >= 2 + 2 + 2 + 1 + 2 + 3 and stats["skipped_events"] == 2
+        assert stats["bad_events"] >= 2 + 2 + 2 + 1 + 2 + 2 + 3 and stats["skipped_events"] == 2
         if name.endswith(".json"):
             json.loads(out.read_text())
         else:
@@ -590,3 +591,18 @@ def test_a_damaged_stores_odd_pids_ranks_and_world_size_are_drawn_not_fatal(tmp_
         if not kw:
             procs = [d.process for d in tr.tracks.values() if d.HasField("process")]
             assert {"pid True", "pid None"} <= {p.process_name.split(", ")[-1].rstrip(")") for p in procs}
+
+
+def test_a_subgroup_of_unknown_size_waits_for_its_members_not_the_world():
+    """CommInit.subgroup (pgnccl: a PyTorch group other than the default one, built before the attach):
+    its collectives are complete when the ranks seen in it took part, as in the timeline."""
+    from ccld.export.collectives import Collectives
+
+    class Model:
+        ranks = None
+    c = Collectives(Model())
+    c.note_world("j", 8)
+    for rank in (4, 5):
+        c.note_comm("j/nccl-pg:3", "nccl", -1, rank, "j", True)
+        c.note_comm("j/nccl-pg:0", "nccl", -1, rank, "j", False)
+    assert (c.want("j/nccl-pg:3"), c.want("j/nccl-pg:0")) == (2, 8)

@@ -119,9 +119,23 @@ def test_a_group_of_unknown_size_other_than_the_default_one_is_a_subgroup_whose_
     assert tl.expected_members("job/nccl-pg:0") == set(range(8))   # the world, though only 2 ranks told
 
 
+def test_a_names_room_after_its_nul_is_not_read():
+    """The ring's slots are not zeroed, so bytes of an earlier record may follow the name's NUL (the
+    program clears the room; the translator reads up to the NUL anyway)."""
+    out = Out()
+    t = pgnccl.PgncclTranslator(out)
+    t.add_process(100, 0, "job")
+    rec = work(100, "0", 7)
+    stale = b"0\0\x11stale bytes"  # written as the kernel would leave it (ctypes' setter stops at a NUL)
+    ct.memmove(ct.addressof(rec) + pgnccl.PgnWork.uid.offset, stale, len(stale))
+    t.records(*_rows(pgnccl.PgncclFamily.KINDS, [rec]))
+    init = next(e for e in out if isinstance(e, ev.CommInit))
+    assert (init.comm, init.subgroup) == ("job/nccl-pg:0", False)  # the default group, not a subgroup
+
+
 def test_a_long_group_name_is_cut_and_counted(tr):
     feed(tr, work(100, "x" * 60, 1))
-    assert [e.comm for e in tr.out if isinstance(e, ev.CollEnter)] == ["job/nccl-pg:" + "x" * 48]
+    assert [e.comm for e in tr.out if isinstance(e, ev.CollEnter)] == ["job/nccl-pg:" + "x" * 48]  # as written
     assert tr.counters["cut_names"] == 1
 
 
