@@ -21,6 +21,7 @@ Caveat: senders and collector share this machine's CPUs; the figures are floors.
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import os
 import random
@@ -37,7 +38,6 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import msgpack  # noqa: E402
-import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import zmq  # noqa: E402
 
@@ -56,6 +56,12 @@ JOB = "scale:29500"
 def due(elapsed_s: float, rate: float, done: int) -> List[int]:
     """The world collectives completed by `elapsed_s` at `rate` a second, after the first `done`."""
     return list(range(done + 1, int(elapsed_s * rate) + 1))
+
+
+def _packed(values: List[int]) -> bytes:
+    """A packed column (little-endian int64). array('q') rather than numpy: the senders' frames are small
+    and numpy's per-call cost would make the senders, not the collector, the bottleneck sooner."""
+    return array.array("q", values).tobytes()
 
 
 def node_frame(n: int, world: int, seqs: List[int], now_ns: int, wall_ns: int, first: bool, columns: bool,
@@ -89,11 +95,10 @@ def node_frame(n: int, world: int, seqs: List[int], now_ns: int, wall_ns: int, f
             continue
         seq_c, pid_c, rank_c, t_c = (list(c) for c in zip(*rows))
         if columns:  # packed, as agents send them (schema 1.8: n little-endian int64 per column)
-            seq_b, pid_b, rank_b = (np.array(c, "<i8").tobytes() for c in (seq_c, pid_c, rank_c))
-            t_a = np.array(t_c, "<i8")
+            seq_b, pid_b, rank_b = (_packed(c) for c in (seq_c, pid_c, rank_c))
             for kind, same, dt in (("coll", {"backend": "gloo", "comm": comm, "op": "allreduce"}, 0),
                                    ("start", {"comm": comm}, 3_000_000), ("end", {"comm": comm}, 8_000_000)):
-                cols = {"seq": seq_b, "pid": pid_b, "rank": rank_b, "ts_ns": (t_a + dt).tobytes()}
+                cols = {"seq": seq_b, "pid": pid_b, "rank": rank_b, "ts_ns": _packed([t + dt for t in t_c])}
                 blocks.append({"k": kind, "n": len(rows), "at": len(evs), "same": same, "cols": cols})
         else:
             for seq, pid, r, t in rows:
