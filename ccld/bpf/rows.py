@@ -15,7 +15,6 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from ccld import wire as ev
-from ccld.wire.blocks import PACKED
 
 KIND_COLL, KIND_START, KIND_END = 0, 1, 2
 WIRE_KINDS = ("coll", "start", "end")
@@ -25,7 +24,8 @@ BLOCK_COLUMNS = {KIND_COLL: ("seq", "pid", "rank", "ts_ns", "tid", "lib_seq"),
                  KIND_START: ("seq", "pid", "rank", "ts_ns"),
                  KIND_END: ("seq", "pid", "rank", "ts_ns")}
 _CLASSES = {KIND_COLL: ev.CollEnter, KIND_START: ev.WorkStart, KIND_END: ev.WorkEnd}
-_PACKED = np.dtype(PACKED)  # made once: a dtype from its string costs more than a small column's copy
+_I4, _I8 = np.dtype("<i4"), np.dtype("<i8")  # made once: a dtype from its string costs more than a small copy
+_I4_MIN, _I4_MAX = -(1 << 31), (1 << 31) - 1
 MAX_GROUPS = 65536  # distinct shared-field sets one translator keeps numbered before starting afresh
 
 
@@ -116,6 +116,14 @@ def concat(parts: Sequence[Rows]) -> Rows:
                 {c: np.concatenate([p.cols[c] for p in parts]) for c in COLUMNS}, groups)
 
 
+def _packed(col: np.ndarray) -> bytes:
+    """A packed column (schema 1.8): 4-byte ints where every value fits (seq, pid, rank: half the bytes of
+    int64, about what MessagePack's varying ints took), else 8-byte (times)."""
+    if len(col) and _I4_MIN <= int(col.min()) and int(col.max()) <= _I4_MAX:
+        return col.astype(_I4).tobytes()
+    return (col if col.dtype == _I8 else col.astype(_I8)).tobytes()
+
+
 def blocks(parts: Sequence[Tuple[int, Rows]], shift=None) -> List[Dict[str, Any]]:
     """Wire blocks (ccld/wire/blocks.py's form, every column packed) for the rows of one frame: `parts` are (at, rows), `at` being the
     number of the frame's plain events made before those rows. One block per shared-field set, its
@@ -139,7 +147,7 @@ def blocks(parts: Sequence[Tuple[int, Rows]], shift=None) -> List[Dict[str, Any]
             col = rows.cols[c][idx]
             if shift is not None and c == "ts_ns":
                 col = np.array(shift(col.tolist()), np.int64)
-            cols[c] = (col if col.dtype == _PACKED else col.astype(_PACKED)).tobytes()  # packed (1.8): no int per value
+            cols[c] = _packed(col)
         out.append({"k": WIRE_KINDS[kind], "n": b - a, "at": int(ats[idx].min()), "same": dict(same),
                     "cols": cols})
     out.sort(key=lambda b: b["at"])

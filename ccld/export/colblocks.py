@@ -18,7 +18,7 @@ from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ccld.export import accel
-from ccld.wire.blocks import unpack
+from ccld.wire.blocks import packed_width, unpack
 from ccld.export.collectives import MAX_GROUPS, MAX_OPEN
 
 if TYPE_CHECKING:
@@ -67,8 +67,8 @@ def feed_frame(m: "TraceModel", agent: str, node: str, evs: list, blocks: list) 
 
 
 def _unpacked(b: dict) -> Any:
-    """The block with its packed columns (schema 1.8: n little-endian int64 as bytes) as lists of ints,
-    as the rest of this module reads columns; None when a packed column is not 8n bytes."""
+    """The block with its packed columns (schema 1.8: n little-endian ints as bytes) as lists of ints, as
+    the rest of this module reads columns; None when a packed column's length is no width times n."""
     cols = b.get("cols")
     if type(cols) is not dict or not any(type(v) is bytes for v in cols.values()):
         return b
@@ -78,9 +78,9 @@ def _unpacked(b: dict) -> Any:
     out = {}
     for k, v in cols.items():
         if type(v) is bytes:
-            if len(v) != 8 * n:
+            if not packed_width(v, n):
                 return None
-            v = unpack(v)
+            v = unpack(v, n)
         out[k] = v
     return dict(b, cols=out)
 

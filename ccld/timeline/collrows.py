@@ -8,8 +8,9 @@ a rank does them, whatever order the frames had, in a number of array operations
 with the number of communicators or frames (colltable.py's CollStore holds them all).
 
 Here the gathering: per kind a list per field (_Acc); an int field as the chunks it came in (IntColumn,
-intcol.py: a block's packed column is kept as its bytes, a shared value as its 8 bytes repeated), so a flush reads
-each int field of every frame with one join and one np.frombuffer; collapply.py applies them. Bounds:
+intcol.py: a block's packed column is kept as its bytes, a shared value as its 8 bytes repeated), so a
+flush reads each int field of every frame with a join and an np.frombuffer per run of one width;
+collapply.py applies them. Bounds:
 FLUSH_ROWS (timeline.py) rows at most between flushes, and each flush ends with the communicators it
 touched brought back to their collective bound (comms.evict).
 """
@@ -76,7 +77,7 @@ class Rows:
         for name, default in _KEY:
             got = packed.get(name)
             if got is not None:
-                getattr(a, name).packed(got)
+                getattr(a, name).packed(got, n)
             else:
                 v = cols.get(name)
                 if v is not None:
@@ -88,7 +89,7 @@ class Rows:
             if name in INT_EXTRA:
                 got = packed.get(name)
                 if got is not None:
-                    acc.packed(got)
+                    acc.packed(got, n)
                     continue
                 v = cols.get(name)
                 if v is not None:

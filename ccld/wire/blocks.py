@@ -12,9 +12,10 @@ one kind that agree on every field but the per-rank ones, as columns:
 `at` is how many entries of the frame's "events" list came before the block's first event, so a
 reader can replay the frame in (nearly) the order it was made: a block's rows are placed together at
 its first row. Any field may be in `same` or in `cols`; a reader must accept both. Since 1.8 a column
-of an int field may also be *packed*: a MessagePack bin of n little-endian int64 (what agents send: no
-MessagePack int, Python int or type check per value; the timeline joins the bytes of a whole ingest
-and reads each field with one np.frombuffer). Block.bin keeps those bytes; Block.cols unpacks them
+of an int field may also be *packed*: a MessagePack bin of n little-endian signed ints of 1, 2, 4 or 8
+bytes each, the width being its length / n (what agents send, 4 bytes where every value fits, else 8:
+no MessagePack int, Python int or type check per value; the timeline joins the bytes of a whole ingest
+and reads each field with one np.frombuffer per width). Block.bin keeps those bytes; Block.cols unpacks them
 into lists on first use, for every reader that wants values. Times: as in
 schema.py (the sender's CLOCK_MONOTONIC ns); nothing here converts them. Values are checked by the
 same validator as maps' (validate.py): read_fields, field by field. A block whose every field is known and
@@ -48,12 +49,18 @@ ROW_FIELDS: Dict[str, Tuple[str, ...]] = {
 }
 
 
-PACKED = "<i8"  # a packed column's values: little-endian int64
+WIDTHS: Dict[int, Any] = {1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}  # by bytes
 
 
-def unpack(raw: bytes) -> List[int]:
-    """A packed column's values."""
-    values: List[int] = np.frombuffer(raw, PACKED).tolist()
+def packed_width(raw: bytes, n: int) -> int:
+    """The width in bytes of each of the n values of a packed column; 0 when its length fits none."""
+    w, rest = divmod(len(raw), n)
+    return w if not rest and w in WIDTHS else 0
+
+
+def unpack(raw: bytes, n: int) -> List[int]:
+    """A packed column's n values (its length must be a width times n: packed_width)."""
+    values: List[int] = np.frombuffer(raw, WIDTHS[len(raw) // n]).tolist()
     return values
 
 
@@ -82,7 +89,7 @@ class Block:
         a reader may reorder or replace the lists: seq_runs, align)."""
         if self.bin:
             for name, raw in self.bin.items():
-                self._cols[name] = unpack(raw)
+                self._cols[name] = unpack(raw, self.n)
             self.bin = None
         return self._cols
 
@@ -242,7 +249,7 @@ def _fits(exact: Dict[str, Tuple[type, int]], n_req: int, n: int, same: Dict[Any
             if type(name) is not str:
                 return False
             t, req = exact[name]
-            if type(col) is bytes and t is int and len(col) == 8 * n and name not in same:
+            if type(col) is bytes and t is int and packed_width(col, n) and name not in same:
                 packed = True
                 seen_req += req
                 continue
@@ -284,9 +291,10 @@ def read_fields(kind: str, cls: type, n: int, at: int, same: Dict[Any, Any], col
             if declared != "int":
                 raise FrameError("bad-field", f"block of {kind!r}: column {name!r} is packed bytes, but only int "
                                               f"fields may be; it should be a list of {n} {declared}")
-            if len(col) != 8 * n:
+            if not packed_width(col, n):
                 raise FrameError("bad-block", f"block of {kind!r}: packed column {name!r} has {len(col)} bytes, "
-                                              f"should have {8 * n} ({n} little-endian int64)")
+                                              f"should have {n}, {2 * n}, {4 * n} or {8 * n} ({n} little-endian "
+                                              f"ints of 1, 2, 4 or 8 bytes)")
         elif type(col) is not list or len(col) != n:
             raise FrameError("bad-block", f"block of {kind!r}: column {name!r} should be a list of {n}, got "
                                           f"{type(col).__name__}{' of ' + str(len(col)) if type(col) is list else ''}")

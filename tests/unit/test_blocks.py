@@ -92,6 +92,7 @@ BAD_BLOCKS = [
     ("missing field", dict(GOOD_BLOCK, same={}), "missing-field", 2),
     ("both shared and a column", dict(GOOD_BLOCK, same={"comm": "c", "seq": 4}), "bad-block", 2),
     ("packed column short", dict(GOOD_BLOCK, cols=dict(GOOD_BLOCK["cols"], pid=b"\0" * 15)), "bad-block", 2),
+    ("packed column of 3-byte ints", dict(GOOD_BLOCK, cols=dict(GOOD_BLOCK["cols"], pid=b"\0" * 6)), "bad-block", 2),
     ("packed column of a str field", dict(GOOD_BLOCK, cols=dict(GOOD_BLOCK["cols"], comm=b"\0" * 16),
                                           same={}), "bad-field", 2),
 ]
@@ -209,13 +210,13 @@ def random_job(rnd: random.Random):
 
 
 def packed(frame: bytes) -> bytes:
-    """The frame with every int column of its blocks packed (schema 1.8: n little-endian int64 as bytes),
-    as agents send them."""
+    """The frame with every int column of its blocks packed (schema 1.8: n little-endian ints as bytes),
+    4 bytes each where every value fits, else 8, as agents send them."""
     import numpy as np
     env = msgpack.unpackb(frame, raw=False)
     for b in env.get("blocks", ()):
-        b["cols"] = {k: np.array(v, "<i8").tobytes() if all(type(x) is int for x in v) else v
-                     for k, v in b["cols"].items()}
+        b["cols"] = {k: np.array(v, "<i4" if all(-(1 << 31) <= x < 1 << 31 for x in v) else "<i8").tobytes()
+                     if all(type(x) is int for x in v) else v for k, v in b["cols"].items()}
     return msgpack.packb(env, use_bin_type=True)
 
 
@@ -455,3 +456,21 @@ def test_an_int_past_int64_among_packed_rows_is_dropped_and_counted_alone():
     g = tl.comms["j/gloo:0"]
     assert set(g.colls[1].enter) == {0, 1} and set(g.colls[2].enter) == {0}
     assert tl.anomalies["seq-out-of-range"] == 1
+
+
+def test_an_int_column_reads_its_chunks_in_order_whatever_their_widths():
+    import numpy as np
+    from ccld.timeline.intcol import IntColumn
+    c = IntColumn()
+    c.packed(np.array([1, -2], "<i4").tobytes(), 2)
+    c.packed(np.array([3], "<i4").tobytes(), 1)
+    c.packed(np.array([2 ** 40, 5], "<i8").tobytes(), 2)
+    c.one(6)
+    c.one(7)
+    c.values([8, 9])
+    c.same(10, 2)
+    c.packed(np.array([-11], "<i1").tobytes(), 1)
+    want = [1, -2, 3, 2 ** 40, 5, 6, 7, 8, 9, 10, 10, -11]
+    got = c.array()
+    assert got.dtype == np.int64 and got.tolist() == want and list(c) == want and len(c) == len(want)
+    got[0] = 99  # writable: the apply sets ranks it learns in place

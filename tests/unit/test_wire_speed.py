@@ -112,9 +112,10 @@ def blocks_(draw):
             name = draw(st.sampled_from(names(cols)))
             col = cols[name]
             if type(col) is list:
-                ints = all(type(x) is int and -(1 << 63) <= x < 1 << 63 for x in col)
-                packed = np.array(col, "<i8").tobytes() if ints else b"\0" * (8 * len(col))
-                cut = draw(st.sampled_from([0, 0, 0, 1, 8, -8]))  # mostly whole, else bytes short or over
+                width = draw(st.sampled_from([1, 2, 4, 8, 8]))
+                ints = all(type(x) is int and -(1 << (8 * width - 1)) <= x < 1 << (8 * width - 1) for x in col)
+                packed = np.array(col, f"<i{width}").tobytes() if ints else b"\0" * (width * len(col))
+                cut = draw(st.sampled_from([0, 0, 0, 1, 3, 8, -8]))  # mostly whole, else bytes short or over
                 cols[name] = packed[:len(packed) - cut] if cut > 0 else packed + b"\1" * -cut
     return b
 
