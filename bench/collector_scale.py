@@ -59,9 +59,10 @@ def due(elapsed_s: float, rate: float, done: int) -> List[int]:
 
 
 def _packed(values: List[int]) -> bytes:
-    """A packed column (little-endian int64). array('q') rather than numpy: the senders' frames are small
-    and numpy's per-call cost would make the senders, not the collector, the bottleneck sooner."""
-    return array.array("q", values).tobytes()
+    """A packed column as agents pack it: little-endian int32 where every value fits, else int64. array
+    rather than numpy: the senders' frames are small and numpy's per-call cost would make the senders,
+    not the collector, the bottleneck sooner."""
+    return array.array("i" if -(1 << 31) <= min(values) and max(values) < 1 << 31 else "q", values).tobytes()
 
 
 def node_frame(n: int, world: int, seqs: List[int], now_ns: int, wall_ns: int, first: bool, columns: bool,

@@ -57,11 +57,12 @@ OPS = [("allreduce", 1 << 22), ("allreduce", 1 << 20), ("allgather", 1 << 18), (
 
 
 def packed(frame: bytes) -> bytes:
-    """The frame with its blocks' int columns packed (schema 1.8), as agents write them since."""
+    """The frame with its blocks' int columns packed (schema 1.8: int32 where every value fits, else
+    int64), as agents write them since."""
     env = msgpack.unpackb(frame, raw=False)
     for b in env.get("blocks", ()):
-        b["cols"] = {k: np.array(v, "<i8").tobytes() if all(type(x) is int for x in v) else v
-                     for k, v in b["cols"].items()}
+        b["cols"] = {k: np.array(v, "<i4" if all(-(1 << 31) <= x < 1 << 31 for x in v) else "<i8").tobytes()
+                     if all(type(x) is int for x in v) else v for k, v in b["cols"].items()}
     return msgpack.packb(env, use_bin_type=True)
 
 
