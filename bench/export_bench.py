@@ -44,6 +44,7 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ccld import wire as ev  # noqa: E402
+from ccld.bpf.rows import pack_column  # noqa: E402
 from ccld.store import StoreWriter  # noqa: E402
 from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
 
@@ -57,12 +58,11 @@ OPS = [("allreduce", 1 << 22), ("allreduce", 1 << 20), ("allgather", 1 << 18), (
 
 
 def packed(frame: bytes) -> bytes:
-    """The frame with its blocks' int columns packed (schema 1.8: int32 where every value fits, else
-    int64), as agents write them since."""
+    """The frame with its blocks' int columns packed (schema 1.8), as agents write them since."""
     env = msgpack.unpackb(frame, raw=False)
     for b in env.get("blocks", ()):
-        b["cols"] = {k: np.array(v, "<i4" if all(-(1 << 31) <= x < 1 << 31 for x in v) else "<i8").tobytes()
-                     if all(type(x) is int for x in v) else v for k, v in b["cols"].items()}
+        b["cols"] = {k: pack_column(np.array(v, np.int64)) if all(type(x) is int for x in v) else v
+                     for k, v in b["cols"].items()}
     return msgpack.packb(env, use_bin_type=True)
 
 

@@ -116,9 +116,10 @@ def concat(parts: Sequence[Rows]) -> Rows:
                 {c: np.concatenate([p.cols[c] for p in parts]) for c in COLUMNS}, groups)
 
 
-def _packed(col: np.ndarray) -> bytes:
+def pack_column(col: np.ndarray) -> bytes:
     """A packed column (schema 1.8): 4-byte ints where every value fits (seq, pid, rank: half the bytes of
-    int64, about what MessagePack's varying ints took), else 8-byte (times)."""
+    int64, about what MessagePack's varying ints took), else 8-byte (times). The one place the width is
+    chosen (benches and tests that write agents' frames call it too)."""
     if len(col) and _I4_MIN <= int(col.min()) and int(col.max()) <= _I4_MAX:
         return col.astype(_I4).tobytes()
     return (col if col.dtype == _I8 else col.astype(_I8)).tobytes()
@@ -147,7 +148,7 @@ def blocks(parts: Sequence[Tuple[int, Rows]], shift=None) -> List[Dict[str, Any]
             col = rows.cols[c][idx]
             if shift is not None and c == "ts_ns":
                 col = np.array(shift(col.tolist()), np.int64)
-            cols[c] = _packed(col)
+            cols[c] = pack_column(col)
         out.append({"k": WIRE_KINDS[kind], "n": b - a, "at": int(ats[idx].min()), "same": dict(same),
                     "cols": cols})
     out.sort(key=lambda b: b["at"])

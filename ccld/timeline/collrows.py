@@ -75,27 +75,11 @@ class Rows:
         a.comm.extend([comm] * n)
         packed = b.bin or _NONE
         for name, default in _KEY:
-            got = packed.get(name)
-            if got is not None:
-                getattr(a, name).packed(got, n)
-            else:
-                v = cols.get(name)
-                if v is not None:
-                    getattr(a, name).values(v)
-                else:
-                    getattr(a, name).same(same.get(name, default), n)
+            getattr(a, name).block(packed.get(name), cols.get(name), same.get(name, default), n)
         for name, default in _EXTRA[kind]:
             acc = a.extra[name]
             if name in INT_EXTRA:
-                got = packed.get(name)
-                if got is not None:
-                    acc.packed(got, n)
-                    continue
-                v = cols.get(name)
-                if v is not None:
-                    acc.values(v)
-                else:
-                    acc.same(same.get(name, default), n)
+                acc.block(packed.get(name), cols.get(name), same.get(name, default), n)
                 continue
             v = cols.get(name)
             acc.extend(v if v is not None else [same.get(name, default)] * n)

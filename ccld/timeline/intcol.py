@@ -9,7 +9,7 @@ are unbounded): array() then raises OverflowError, and collapply drops and count
 from __future__ import annotations
 
 import struct
-from typing import Iterator, List, Tuple, Union
+from typing import Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -31,6 +31,16 @@ class IntColumn:
         """n values packed in `raw` (its length n times a width: ccld/wire/blocks.py checked it)."""
         self.parts.append((len(raw) // n, raw))
         self._mine = False
+
+    def block(self, raw: Optional[bytes], col: Optional[List[int]], shared: int, n: int) -> None:
+        """A block's n values of this field: its packed column `raw`, else its list column `col`, else
+        its one shared value."""
+        if raw is not None:
+            self.packed(raw, n)
+        elif col is not None:
+            self.values(col)
+        else:
+            self.same(shared, n)
 
     def values(self, col: List[int]) -> None:
         self.parts.append(col)  # the block's own list: read only (readers replace lists, never edit them)

@@ -213,10 +213,11 @@ def packed(frame: bytes) -> bytes:
     """The frame with every int column of its blocks packed (schema 1.8: n little-endian ints as bytes),
     4 bytes each where every value fits, else 8, as agents send them."""
     import numpy as np
+    from ccld.bpf.rows import pack_column
     env = msgpack.unpackb(frame, raw=False)
     for b in env.get("blocks", ()):
-        b["cols"] = {k: np.array(v, "<i4" if all(-(1 << 31) <= x < 1 << 31 for x in v) else "<i8").tobytes()
-                     if all(type(x) is int for x in v) else v for k, v in b["cols"].items()}
+        b["cols"] = {k: pack_column(np.array(v, np.int64)) if all(type(x) is int for x in v) else v
+                     for k, v in b["cols"].items()}
     return msgpack.packb(env, use_bin_type=True)
 
 

@@ -464,13 +464,13 @@ def _as_blocks(frame):
 
 
 def _packed(frame):
-    """The frame with its blocks' int columns packed (schema 1.8: little-endian int64 bytes), as agents
-    send them."""
+    """The frame with its blocks' int columns packed (schema 1.8), as agents send them."""
     import msgpack
     import numpy as np
+    from ccld.bpf.rows import pack_column
     env = msgpack.unpackb(frame, raw=False)
     for b in env.get("blocks", ()):
-        b["cols"] = {k: np.array(v, "<i8").tobytes() for k, v in b["cols"].items()}
+        b["cols"] = {k: pack_column(np.array(v, np.int64)) for k, v in b["cols"].items()}
     env["v"] = [1, 8]
     return msgpack.packb(env, use_bin_type=True)
 
