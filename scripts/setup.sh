@@ -12,8 +12,9 @@ if [[ "${CCLD_SKIP_APT:-0}" != 1 ]]; then
   # libibverbs1: the RDMA probe test drives the real library (no device needed); libibverbs-dev: its
   # <infiniband/verbs.h>, against which a unit test checks the struct offsets rdma.bpf.c reads
   # tmux: the test that drives `ccld top` in a real terminal; systemd: `systemd-analyze verify` of deploy/systemd
+  # g++, binutils (nm): the pgnccl tests build a library with torch's ProcessGroupNCCL symbols and read them
   pkgs=(python3-bpfcc linux-headers-amd64 bpftool iproute2 iptables procps python3-venv chromium
-        libibverbs1 libibverbs-dev tmux systemd)
+        libibverbs1 libibverbs-dev tmux systemd g++ binutils)
   # gcc, libc6-dev, python3-dev build the export's C accelerator (ccld/export/_hotpath.c); without them
   # it runs in Python, so without root they are only asked for, not required
   optional=(gcc libc6-dev python3-dev)
