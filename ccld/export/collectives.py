@@ -21,6 +21,8 @@ from ccld.export import accel
 from ccld.export.gpu import slice_flow
 from ccld.export.protobuf import ProtoSink
 from ccld.export.tracks import Lanes, Proc
+from ccld.timeline.align import per_process
+from ccld.timeline.members import spans_world
 
 if TYPE_CHECKING:
     from ccld.export.model import TraceModel
@@ -32,17 +34,20 @@ MAX_LATE_FLOWS = 20_000   # collectives written partially, remembered so a late 
 _BEGIN = operator.itemgetter(0)
 _NO_ROLES = (0,) * 4096  # roles of a collective without a flow (one rank alone)
 _SINK_ERRORS = (TypeError, ValueError, AttributeError, OverflowError, struct.error)
+_NONE: frozenset = frozenset()
 
 
 class Collectives:
     def __init__(self, model: "TraceModel"):
         self.m = model
         self.worlds: Dict[str, int] = {}
+        self.announced: Dict[str, set] = {}       # job -> its ranks that announced themselves (RankInfo)
         self.comm_size: Dict[str, int] = {}
         self.comm_job: Dict[str, str] = {}
         self.comm_backend: Dict[str, str] = {}
         self.comm_members: Dict[str, set] = {}
         self.subgroups: set = set()               # comms of unknown size known not to be the world
+        self.per_process: set = set()             # NCCL comms named by one process's handle (align.py)
         self.expected: Dict[str, int] = {}        # comm -> ranks expected in each collective (cache)
         # (proc, comm, seq) -> [enter ts, (op, count, dtype, nbytes), start ts or 0, gpu.KEnter or None]
         self.open: Dict[Tuple[Proc, str, int], list] = {}
@@ -59,17 +64,30 @@ class Collectives:
 
     # -- facts about jobs and communicators (from rare events)
 
-    def note_world(self, job: str, world: int) -> None:
-        if world > 0:
-            self.worlds[job] = max(self.worlds.get(job, 0), world)
+    def note_rank(self, job: str, rank: Any, world: int) -> None:
+        """A RankInfo: its job's world (the largest told) and one more rank backing it (the timeline's
+        jobs and job_ranks, which members.spans_world weighs)."""
+        new = False
+        if world > 0 and world > self.worlds.get(job, 0):
+            self.worlds[job] = world
+            new = True
+        if type(rank) is int and rank >= 0:
+            ranks = self.announced.setdefault(job, set())
+            if rank not in ranks:
+                ranks.add(rank)
+                new = True
+        if new:
             self.expected.clear()
 
-    def note_comm(self, comm: str, backend: str, group_size: Any, rank: int, job: str, subgroup: Any = False) -> None:
+    def note_comm(self, comm: str, backend: str, group_size: Any, rank: int, job: str, subgroup: Any = False,
+                  seq_source: Any = "") -> None:
         self.comm_backend.setdefault(comm, backend)
-        if type(group_size) is int and group_size > 0:
+        if type(group_size) is int and group_size >= 0:  # as the timeline: 0 is a size, not the world's
             self.comm_size[comm] = group_size
         if subgroup is True:  # of unknown size, not the world (CommInit.subgroup): its members are those seen
             self.subgroups.add(comm)
+        if per_process(backend, comm, seq_source):  # never joined here (align.py is the collector's)
+            self.per_process.add(comm)
         self.comm_members.setdefault(comm, set()).add(rank)
         if job:
             self.comm_job.setdefault(comm, job)
@@ -81,19 +99,17 @@ class Collectives:
         return self._expected(comm) if n is None else n
 
     def _expected(self, comm: str) -> int:
-        """How many (selected) ranks take part in each collective of `comm`; 0 when unknown."""
+        """How many (selected) ranks take part in each collective of `comm` (the timeline's rule,
+        members.spans_world: the job's world, else the members its CommInits announced); 0 when unknown."""
         ranks = self.m.ranks
-        gs = self.comm_size.get(comm, -1)
-        world = self.worlds.get(self.comm_job.get(comm, ""), -1)
-        if gs < 0 and comm in self.subgroups:
-            seen = self.comm_members.get(comm, set())
-            n = len(seen) if ranks is None else len(ranks & seen)
-        elif world > 0 and (gs < 0 or gs == world):
-            n = world if ranks is None else sum(1 for r in ranks if r < world)  # not range(world): 2^64 in a bad store
-        elif gs > 0:
-            n = gs if ranks is None else len(ranks & self.comm_members.get(comm, set()))
+        job = self.comm_job.get(comm, "")
+        world = self.worlds.get(job, -1) if job else -1
+        if spans_world(world, self.comm_size.get(comm, -1), comm in self.subgroups,
+                       len(self.announced.get(job, _NONE)), comm in self.per_process):
+            n = world if ranks is None else sum(1 for r in ranks if r < world)
         else:
-            n = 0
+            seen = self.comm_members.get(comm, _NONE)
+            n = len(seen) if ranks is None else len(ranks & seen)
         self.expected[comm] = n
         return n
 

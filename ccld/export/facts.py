@@ -62,14 +62,14 @@ def rare(m: "TraceModel", agent: str, node: str, procs: Dict[int, Proc], k: str,
         job, world = e["job"], e["world_size"]
         if p.job != job or p.world != world:
             p.job, p.world = job, world
-            m.colls.note_world(job, world)
             lst = m.by_rank.setdefault((job, rank), [])
             if not any(q is p for _, q in lst):
                 lst.append((ts, p))
+        m.colls.note_rank(job, rank, world)
     elif k == "comm":
         p = procs.get(e["pid"])
         m.colls.note_comm(e["comm"], e.get("backend", ""), e["group_size"], e["rank"],
-                             p.job if p is not None else "", e.get("subgroup", False))
+                          p.job if p is not None else "", e.get("subgroup", False), e.get("seq_source", ""))
         m.nccl.note_comm(e["comm"], e.get("group_rank", -1), e["rank"])  # names NetProgress peers
     elif k == "p2p":
         p = procs.get(e["pid"]) or m.new_proc(node, e["pid"], e["rank"])

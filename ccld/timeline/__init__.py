@@ -14,6 +14,8 @@
     p2p.py          point-to-point ops matched pairwise; rdma.py: queue pairs and NIC counters
     gpu.py          CUPTI kernels joined to the collectives they ran (its rule: gpujoin.py, shared with
                     the export)
+    members.py      which ranks a communicator expects in its collectives: the rule, shared with the
+                    export (Timeline.expected_members answers it for the analyses)
     blocked.py      each rank's time spent waiting in communication
     align.py        NCCL communicators seen only after the attach (named per process) joined across
                     ranks by their op streams and enter times; their events rewritten at ingest

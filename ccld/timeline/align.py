@@ -61,9 +61,11 @@ class Match(NamedTuple):
     next_dt_s: Optional[float] = None  # the next best possible offset's (None: none agreed)
 
 
-def per_process(e: ev.CommInit) -> bool:
-    """A CommInit of an NCCL communicator named by one process's handle, numbered from the attach."""
-    return e.backend == "nccl" and HANDLE_MARK in e.comm and e.seq_source in (ev.SEQ_FROM_ATTACH, "")
+def per_process(backend: str, comm: str, seq_source: str) -> bool:
+    """A CommInit's fields name an NCCL communicator of one process's handle, numbered from the attach
+    (the export asks too, of a store's CommInit dicts: a name that is not a string is none)."""
+    return backend == "nccl" and type(comm) is str and HANDLE_MARK in comm \
+        and seq_source in (ev.SEQ_FROM_ATTACH, "")
 
 
 def stream(comm: Any) -> Stream:
@@ -149,7 +151,7 @@ class Aligner:
     # ---- at ingest ---------------------------------------------------------------------------------
 
     def watch(self, comm: Any, rank: int) -> None:
-        """A per-process communicator was announced (its CommInit, per_process()): judged as a group of
+        """A per-process communicator was announced (its CommInit, per_process): judged as a group of
         its own members, and waits to be aligned. Announced again (a handle reused by a new one): it
         leaves its group and starts over."""
         comm.members_only = True

@@ -98,7 +98,7 @@ def rank_event(tl: Timeline, agent: str, node: str, e: ev.Event, t: float) -> No
         comm.members.add(rank)
         if e.seq_source:
             comm.seq_sources[rank] = e.seq_source
-        if per_process(e):
+        if per_process(e.backend, e.comm, e.seq_source):
             tl.align.watch(comm, rank)
         if e.group_rank >= 0:  # seen at its creation: this rank's p2p numbering began with the group
             comm.group_of[rank] = e.group_rank

@@ -601,8 +601,8 @@ def test_a_subgroup_of_unknown_size_waits_for_its_members_not_the_world():
     class Model:
         ranks = None
     c = Collectives(Model())
-    c.note_world("j", 8)
     for rank in (4, 5):
+        c.note_rank("j", rank, 8)
         c.note_comm("j/nccl-pg:3", "nccl", -1, rank, "j", True)
         c.note_comm("j/nccl-pg:0", "nccl", -1, rank, "j", False)
     assert (c.want("j/nccl-pg:3"), c.want("j/nccl-pg:0")) == (2, 8)
