@@ -84,6 +84,7 @@ def node_frame(n: int, world: int, seqs: List[int], now_ns: int, wall_ns: int, f
                                        group_rank=r if size == world else r % RANKS_PER_NODE,
                                        group_size=size).to_wire())
     blocks: List[Dict[str, Any]] = []
+    groups: List[Tuple[int, List[Any], Tuple[List[int], ...]]] = []  # (kind's place, group, its columns)
     node_ranks = range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)
     comms = {"world": (world_comm,), "group": (f"{JOB}/gloo:{1 + n}",)}.get(only, (world_comm, f"{JOB}/gloo:{1 + n}"))
     for comm in comms:
@@ -95,18 +96,26 @@ def node_frame(n: int, world: int, seqs: List[int], now_ns: int, wall_ns: int, f
         if not rows:
             continue
         seq_c, pid_c, rank_c, t_c = (list(c) for c in zip(*rows))
-        if columns:  # packed, as agents send them (schema 1.8: n little-endian int64 per column)
-            seq_b, pid_b, rank_b = (_packed(c) for c in (seq_c, pid_c, rank_c))
-            for kind, same, dt in (("coll", {"backend": "gloo", "comm": comm, "op": "allreduce"}, 0),
-                                   ("start", {"comm": comm}, 3_000_000), ("end", {"comm": comm}, 8_000_000)):
-                cols = {"seq": seq_b, "pid": pid_b, "rank": rank_b, "ts_ns": _packed([t + dt for t in t_c])}
-                blocks.append({"k": kind, "n": len(rows), "at": len(evs), "same": same, "cols": cols})
+        if columns:  # a table's groups, as agents send them (schema 1.9: ccld/wire/table.py), kind by kind
+            for k, (kind, same, dt) in enumerate((("coll", {"backend": "gloo", "comm": comm, "op": "allreduce"}, 0),
+                                                  ("start", {"comm": comm}, 3_000_000),
+                                                  ("end", {"comm": comm}, 8_000_000))):
+                groups.append((k, [kind, len(rows), len(evs), same],
+                               (seq_c, pid_c, rank_c, [t + dt for t in t_c])))
         else:
             for seq, pid, r, t in rows:
                 evs.append({"k": "coll", "pid": pid, "rank": r, "ts_ns": t, "backend": "gloo",
                             "comm": comm, "seq": seq, "op": "allreduce"})
                 evs.append({"k": "start", "pid": pid, "rank": r, "ts_ns": t + 3_000_000, "comm": comm, "seq": seq})
                 evs.append({"k": "end", "pid": pid, "rank": r, "ts_ns": t + 8_000_000, "comm": comm, "seq": seq})
+    if groups:
+        groups.sort(key=lambda g: g[0])  # stable: by kind, then communicator
+        tcols: Dict[str, List[int]] = {"seq": [], "pid": [], "rank": [], "ts_ns": []}
+        for _, _, cols in groups:
+            for name, v in zip(tcols, cols):
+                tcols[name] += v
+        blocks.append({"k": "table", "n": sum(g[1][1] for g in groups), "groups": [g[1] for g in groups],
+                       "cols": {c: _packed(v) for c, v in tcols.items()}})
     if len(evs) == 1 and not blocks and not beat:
         return None  # nothing but the clock sample: the shipper sends that (its heartbeat) once a second
     env = {"v": [ev.SCHEMA_MAJOR, ev.SCHEMA_MINOR], "agent": f"agent-{n}", "node": node, "batch": batch, "events": evs}

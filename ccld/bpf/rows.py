@@ -10,7 +10,7 @@ and lib_seq are only sent for coll). Times are CLOCK_MONOTONIC ns of this node, 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -125,34 +125,42 @@ def pack_column(col: np.ndarray) -> bytes:
     return (col if col.dtype == _I8 else col.astype(_I8)).tobytes()
 
 
-def blocks(parts: Sequence[Tuple[int, Rows]], shift=None) -> List[Dict[str, Any]]:
-    """Wire blocks (ccld/wire/blocks.py's form, every column packed) for the rows of one frame: `parts` are (at, rows), `at` being the
-    number of the frame's plain events made before those rows. One block per shared-field set, its
-    rows sorted by seq (stable, as blocks.split sorts them; readers rely on it for speed), placed at
-    the first of its rows. `shift` maps a list of times to this node's reported clock (NodeClock)."""
+def table(parts: Sequence[Tuple[int, Rows]], shift=None) -> Optional[Dict[str, Any]]:
+    """The wire table (ccld/wire/table.py's form, schema 1.9) of the rows of one frame, None when there
+    are none: `parts` are (at, rows), `at` being the number of the frame's plain events made before
+    those rows. One group per shared-field set, placed `at` the first of its rows; groups in order of
+    kind (the collector gathers a run of one kind at once), then of that place, then of their numbers;
+    a group's rows contiguous and sorted by seq (stable: readers rely on it for speed). A column is sent when some kind present has it (tid and lib_seq: coll rows);
+    a row of a kind without that field carries filler there. `shift` maps a list of times to this
+    node's reported clock (NodeClock)."""
     if not parts:
-        return []
+        return None
     ats = np.concatenate([np.full(len(r), at, np.int64) for at, r in parts])
     rows = concat([r for _, r in parts])
-    # one key per (wire kind, group): the group numbers already include the kind
-    order = np.lexsort((rows.cols["seq"], rows.group))  # by group, then seq; stable within equal seqs
-    g_sorted = rows.group[order]
-    starts = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
-    ends = np.r_[starts[1:], len(order)]
-    out = []
-    for a, b in zip(starts.tolist(), ends.tolist()):
-        idx = order[a:b]
-        kind, same = rows.groups[int(g_sorted[a])]
-        cols = {}
-        for c in BLOCK_COLUMNS[kind]:
-            col = rows.cols[c][idx]
+    used, inv = np.unique(rows.group, return_inverse=True)  # the group numbers include the kind
+    inv = inv.reshape(-1)
+    first_at = np.full(len(used), np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(first_at, inv, ats)
+    kind_of = np.array([rows.groups[int(g)][0] for g in used.tolist()], np.int64)
+    by_place = np.lexsort((used, first_at, kind_of))
+    place = np.empty(len(used), np.int64)
+    place[by_place] = np.arange(len(used))
+    row_place = place[inv]
+    order = np.lexsort((rows.cols["seq"], row_place))
+    sizes = np.bincount(row_place, minlength=len(used)).tolist()
+    groups, kinds = [], set()
+    for p, g in enumerate(by_place.tolist()):
+        kind, same = rows.groups[int(used[g])]
+        kinds.add(kind)
+        groups.append([WIRE_KINDS[kind], sizes[p], int(first_at[g]), dict(same)])
+    cols = {}
+    for c in COLUMNS:
+        if any(c in BLOCK_COLUMNS[k] for k in kinds):
+            col = rows.cols[c][order]
             if shift is not None and c == "ts_ns":
                 col = np.array(shift(col.tolist()), np.int64)
             cols[c] = pack_column(col)
-        out.append({"k": WIRE_KINDS[kind], "n": b - a, "at": int(ats[idx].min()), "same": dict(same),
-                    "cols": cols})
-    out.sort(key=lambda b: b["at"])
-    return out
+    return {"k": "table", "n": len(order), "groups": groups, "cols": cols}
 
 
 class Builder:

@@ -250,7 +250,7 @@ class Collector:
                         got = self._take(frame, time.time())
                         if got is not None:
                             taken.append(got)
-                            events += len(got[0].plain) + sum(b.n for b in got[0].blocks)
+                            events += len(got[0])
                             if len(taken) >= GROUP_FRAMES or events >= GROUP_EVENTS:
                                 self._ingest(taken)
                                 events = 0

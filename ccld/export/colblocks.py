@@ -1,5 +1,5 @@
 """Column blocks in the trace: a frame's "blocks" (schema 1.4: coll, start and end events as columns, see
-ccld/wire/blocks.py) fed to the model without making a map per event.
+ccld/wire/blocks.py; 1.9's tables as their groups' blocks) fed to the model without making a map per event.
 
 A block's shared fields ("same") are read once; its columns are type-checked once each (one C-level
 pass), so the row loops below do no per-row validation. The fast path takes the shape live agents
@@ -18,7 +18,9 @@ from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ccld.export import accel
+from ccld.wire import table
 from ccld.wire.blocks import packed_width, unpack
+from ccld.wire.validate import FrameError
 from ccld.export.collectives import MAX_GROUPS, MAX_OPEN
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ def feed_frame(m: "TraceModel", agent: str, node: str, evs: list, blocks: list) 
     is where a block's first row was, and a later row of it may end a collective whose enter is in a
     block placed after it (frames are split into blocks by kind and shared fields)."""
     good = []
-    for b in blocks:
+    for b in _groups(m, blocks):
         if type(b) is dict and type(b.get("at", 0)) is int:
             u = _unpacked(b)
             if u is None:  # a packed column of the wrong length (or a bad n): the block's rows are bad
@@ -64,6 +66,23 @@ def feed_frame(m: "TraceModel", agent: str, node: str, evs: list, blocks: list) 
     later.sort(key=_first)
     for _, b, off in later:
         block(m, agent, node, b, off)
+
+
+def _groups(m: "TraceModel", blocks: list) -> list:
+    """The frame's blocks with each table (schema 1.9, ccld/wire/table.py) as its groups' blocks; a
+    table whose header is wrong holds bad rows."""
+    if not any(type(b) is dict and b.get("k") == table.KIND for b in blocks):
+        return blocks
+    out = []
+    for b in blocks:
+        if type(b) is dict and b.get("k") == table.KIND:
+            try:
+                out.extend(table.group_blocks(b))
+            except FrameError:
+                m.stats["bad_events"] += rows_in([b])
+        else:
+            out.append(b)
+    return out
 
 
 def _unpacked(b: dict) -> Any:

@@ -37,9 +37,10 @@ INT_EXTRA = frozenset({"count", "nbytes"})  # the int fields among _EXTRA's
 class _Acc:
     """One kind's rows gathered: a list per field, a value per row; the agent's clock conversion
     (ClockTable.params) per run of rows that came together (`counts`)."""
-    __slots__ = ("comm", "seq", "rank", "pid", "ts_ns", "node", "agent", "extra", "counts", "clk", "events", "n")
+    __slots__ = ("kind", "comm", "seq", "rank", "pid", "ts_ns", "node", "agent", "extra", "counts", "clk", "events", "n")
 
     def __init__(self, kind: str):
+        self.kind = kind
         self.comm: List[str] = []
         self.seq, self.rank, self.pid, self.ts_ns, self.node = IntColumn(), IntColumn(), IntColumn(), IntColumn(), IntColumn()
         self.agent: List[str] = []
@@ -64,29 +65,78 @@ class Rows:
     def block(self, agent: str, node: str, b: Any) -> None:
         """All rows of column block `b` (ccld/wire/blocks.py) of `agent`, whose clock is known."""
         tl = self.tl
-        same, cols, n, kind = b.same, b.lists, b.n, b.kind  # lists: packed columns stay packed (b.bin)
+        same, kind = b.same, b.kind
         comm = same.get("comm")
         if comm is None or (kind == "coll" and tl.gpu.capture and same.get("backend") == "nccl"
                             and tl.gpu.capturing(node, set(b.cols.get("pid", [same.get("pid", -1)])))):
             for e in b.rows():  # the communicator as a column; or NCCL enters the kernel join takes as events
                 self.event(agent, node, e)
             return
-        a = self.acc[kind]
-        a.comm.extend([comm] * n)
-        packed = b.bin or _NONE
+        # lists: packed columns stay packed (b.bin)
+        self._rows(self.acc[kind], agent, tl.node_code(node), tl.clock.params(agent), b.n, same, b.bin or _NONE,
+                   b.lists)
+
+    def table(self, agent: str, node: str, t: Any) -> None:
+        """All rows of table `t` (ccld/wire/table.py) of `agent`, whose clock is known, none of them an
+        NCCL enter the kernel join wants as an event (timeline.py sends those as blocks). Groups in a
+        run of one kind and one set of columns (agents order them by kind) are gathered as one: a slice
+        of each packed column; only their shared fields go group by group."""
+        tl = self.tl
+        code, clk = tl.node_code(node), tl.clock.params(agent)
+        groups = t.groups
+        i, end = 0, len(groups)
+        while i < end:
+            kind, first, _, _, _, names = groups[i]
+            j, n = i, 0
+            while j < end and groups[j][0] == kind and groups[j][5] == names:
+                n += groups[j][2]
+                j += 1
+            run = groups[i:j]
+            a = self.acc[kind]
+            for name, default in _KEY:
+                if name in names:
+                    getattr(a, name).packed(t.column(name, first, n), n)
+                else:
+                    col = getattr(a, name)
+                    for g in run:
+                        col.same(g[4].get(name, default), g[2])
+            for name, default in _EXTRA[kind]:
+                acc = a.extra[name]
+                if name in names:  # an int field sent as a column
+                    acc.packed(t.column(name, first, n), n)
+                elif name in INT_EXTRA:
+                    for g in run:
+                        acc.same(g[4].get(name, default), g[2])
+                else:
+                    for g in run:
+                        acc.extend([g[4].get(name, default)] * g[2])
+            for g in run:
+                a.comm.extend([g[4]["comm"]] * g[2])
+            a.node.same(code, n)
+            a.agent.extend([agent] * n)
+            a.counts.append(n)
+            a.clk.append(clk)
+            a.n += n
+            self.n += n
+            i = j
+
+    def _rows(self, a: _Acc, agent: str, node: int, clk: Tuple[int, int, int, int], n: int, same: Dict[str, Any],
+              packed: Dict[str, bytes], cols: Dict[str, List[Any]]) -> None:
+        """n rows of one kind sharing `same`, their other fields packed or as lists."""
+        a.comm.extend([same["comm"]] * n)
         for name, default in _KEY:
             getattr(a, name).block(packed.get(name), cols.get(name), same.get(name, default), n)
-        for name, default in _EXTRA[kind]:
+        for name, default in _EXTRA[a.kind]:
             acc = a.extra[name]
             if name in INT_EXTRA:
                 acc.block(packed.get(name), cols.get(name), same.get(name, default), n)
                 continue
             v = cols.get(name)
             acc.extend(v if v is not None else [same.get(name, default)] * n)
-        a.node.same(tl.node_code(node), n)
+        a.node.same(node, n)
         a.agent.extend([agent] * n)
         a.counts.append(n)
-        a.clk.append(tl.clock.params(agent))
+        a.clk.append(clk)
         a.n += n
         self.n += n
 

@@ -34,15 +34,16 @@ from ccld.timeline.comms import MAX_COMMS, PEAK_BUCKET_S, PEAK_BUCKETS, rank_eve
 from ccld.timeline.compute import ComputeTable
 from ccld.timeline.gpu import GPU_EVENTS, GpuJoin
 from ccld.timeline.links import LinkTable
+from ccld.timeline.members import spans_world
 from ccld.timeline.netprog import ProgressTable
 from ccld.timeline.p2p import P2POp
 from ccld.timeline.rdma import RdmaTable
 from ccld.timeline.records import Comm, RankRecord
 from ccld.wire.blocks import Block, frame_order
+from ccld.wire.table import Table
 
 MAX_RANKS = 100_000           # processes per collector
 MAX_WORLD_SIZE = 1 << 17      # 131,072 ranks: above the largest jobs run today; a bigger value is a corrupt event
-SMALL_WORLD = 64              # a world this small is believed before its ranks are announced (tests, small jobs)
 FLUSH_ROWS = 16_384           # collective rows gathered before they are applied, at most (and one frame's)
 MAX_PENDING_NO_CLOCK = 100_000  # events held until their agent's first clock sample (sent every batch)
 LAG_MIN_SCANS = 3             # an agent's RankStates are its data horizon once they came from this many scans
@@ -129,11 +130,14 @@ class Timeline:
             self._recv_s += recv_unix - self._recv_prev
         self._recv_prev = recv_unix
         self.clock.arrived(self._recv_s)
-        plain, blocks = batch.plain, batch.blocks
+        plain, blocks = batch.plain, batch.parts
         if batch.node in self.align.nodes:  # its NCCL calls seen after the attach are aligned (align.py)
-            plain, blocks = self.align.rewrite(plain, blocks)
+            plain, blocks = self.align.rewrite(plain, batch.blocks)
         for e in frame_order(plain, blocks):  # a block's rows are gathered (collrows.py): ordered there
-            if type(e) is Block:
+            t = type(e)
+            if t is Table:
+                self._table(agent, batch.node, e)
+            elif t is Block:
                 self._block(agent, batch.node, e)
             else:
                 self._event(agent, batch.node, e)
@@ -159,12 +163,25 @@ class Timeline:
             q.append((node, e))
 
     def _block(self, agent: str, node: str, b: Block) -> None:
+        if b.kind not in ROW_KINDS or not self.clock.has(agent):  # any kind may come as a block; rows
+            for e in b.rows():                                     # need their agent's clock (held till then)
+                self._event(agent, node, e)
+            return
         self.events_by_kind[b.kind] += b.n
-        if self.clock.has(agent):
-            self.rows.block(agent, node, b)
-        else:
-            for e in b.rows():
-                self._hold(agent, node, e)
+        self.rows.block(agent, node, b)
+
+    def _table(self, agent: str, node: str, t: Table) -> None:
+        """A table's rows gathered at once; as its groups' blocks where a block would take another way
+        (no clock yet, NCCL enters the kernel join wants, a kind not gathered as rows)."""
+        if not self.clock.has(agent) or any(g[0] not in ROW_KINDS or (
+                self.gpu.capture and g[0] == "coll" and g[4].get("backend") == "nccl") for g in t.groups):
+            for b in t.blocks():
+                self._block(agent, node, b)
+            return
+        kinds = self.events_by_kind
+        for g in t.groups:
+            kinds[g[0]] += g[2]
+        self.rows.table(agent, node, t)
 
     def _drain_pending(self, agent: str) -> None:
         q = self._pending.pop(agent, None)
@@ -312,9 +329,9 @@ class Timeline:
         # Asked for every WorkEnd: building range(world) each time made a collective cost O(world^2).
         key = (world, comm.group_size, len(comm.members), seen, comm.members_only, comm.dropped, comm.subgroup)
         if comm.expected_key != key:
-            spans = world > 0 and (comm.group_size == world or comm.group_size < 0 and not comm.subgroup) \
-                and world <= 2 * seen + SMALL_WORLD and not comm.members_only
-            if spans:  # the same set while the world holds: kept, so caches keyed on it stay valid
+            # members.spans_world: the one rule (the export asks it too). The world's set is kept while
+            # the world holds, so caches keyed on it stay valid.
+            if spans_world(world, comm.group_size, comm.subgroup, seen, comm.members_only):
                 if comm.expected_world != world:
                     comm.expected, comm.expected_world = frozenset(range(world)), world
             else:

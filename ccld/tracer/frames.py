@@ -1,11 +1,11 @@
 """One frame from what the agent queued: Events and rows.Rows, in the order they were made.
 
 The envelope is ccld/wire/codec.py's: plain events as maps in "events", the hot collective kinds
-(coll, start, end) as column blocks in "blocks" (ccld/wire/blocks.py's form), each block placed `at` the
-number of plain events made before its first row, so a reader replays the frame in (nearly) the
-order it was made. Rows become blocks with array operations (rows.blocks); an Event of a hot kind
-(a failed end, or one made event by event elsewhere) becomes a one-row Rows first, so every block
-of a frame is made one way. Times: every monotonic field goes through the node clock here (tests'
+(coll, start, end) as one table in "blocks" (ccld/wire/table.py's form, schema 1.9: a group per set of
+shared fields, each placed `at` the number of plain events made before its first row, so a reader
+replays the frame in (nearly) the order it was made). Rows become the table with array operations
+(rows.table); an Event of a hot kind (a failed end, or one made event by event elsewhere) becomes a
+one-row Rows first, so every row of a frame is made one way. Times: every monotonic field goes through the node clock here (tests'
 CCLD_TEST_CLOCK), the one place it is applied.
 """
 from __future__ import annotations
@@ -49,9 +49,9 @@ def encode(agent: str, node: str, batch: int, items: Sequence[Any], clock: NodeC
     shift = None if clock.identity else (lambda ts: [clock.apply(t) for t in ts])
     env = {"v": [ev.SCHEMA_MAJOR, ev.SCHEMA_MINOR], "agent": agent, "node": node, "batch": batch, "resend": True,
            "events": plain}
-    blocks = R.blocks(parts, shift)
-    if blocks:
-        env["blocks"] = blocks
+    table = R.table(parts, shift)
+    if table is not None:
+        env["blocks"] = [table]
     return msgpack.packb(env, use_bin_type=True)
 
 

@@ -13,15 +13,14 @@ one kind that agree on every field but the per-rank ones, as columns:
 reader can replay the frame in (nearly) the order it was made: a block's rows are placed together at
 its first row. Any field may be in `same` or in `cols`; a reader must accept both. Since 1.8 a column
 of an int field may also be *packed*: a MessagePack bin of n little-endian signed ints of 1, 2, 4 or 8
-bytes each, the width being its length / n (what agents send, 4 bytes where every value fits, else 8:
-no MessagePack int, Python int or type check per value; the timeline joins the bytes of a whole ingest
-and reads each field with one np.frombuffer per width). Block.bin keeps those bytes; Block.cols unpacks them
-into lists on first use, for every reader that wants values. Times: as in
-schema.py (the sender's CLOCK_MONOTONIC ns); nothing here converts them. Values are checked by the
-same validator as maps' (validate.py): read_fields, field by field. A block whose every field is known and
-of an exact type (int, str, bool), as agents send them, is first tried by _fits, a few tight loops that
-accept only what read_fields accepts (a frame's ~6 blocks cost half the Python steps); anything else, and
-every bad block, gets read_fields and its message.
+bytes each, the width being its length / n (agents send 4 where every value fits, else 8). Block.bin
+keeps those bytes (the timeline reads them with np.frombuffer); Block.cols unpacks them into lists on
+first use. Since 1.9 an entry of the list may be a *table* (table.py, which reads the list): all of a
+frame's blocks in one. Times: as in schema.py (the sender's CLOCK_MONOTONIC ns); nothing here
+converts them. Values are checked by the same validator as maps' (validate.py): read_fields, field by
+field. A block whose every field is known and of an exact type (int, str, bool), as agents send them,
+is first tried by _fits, a few tight loops that accept only what read_fields accepts; anything else,
+and every bad block, gets read_fields and its message.
 Caveat: a block that fails validation is dropped whole and its rows counted as bad events by reason;
 the frame's other blocks and events are kept.
 """
@@ -36,7 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ccld.wire.schema import EVENT_TYPES, Event, field_types
-from ccld.wire.validate import (EXACT_TYPES, MAX_EVENTS_PER_FRAME, FrameError, Rejects, column_problem, read_spec, show,
+from ccld.wire.validate import (EXACT_TYPES, MAX_EVENTS_PER_FRAME, FrameError, column_problem, read_spec, show,
                                 type_problem)
 
 # kind -> the fields that differ from event to event (columns); every other field is shared by a block.
@@ -174,7 +173,7 @@ def split(events: Sequence[Event]) -> Tuple[List[Dict[str, Any]], List[Dict[str,
     return plain, out
 
 
-_first = operator.itemgetter(0)
+_first = operator.itemgetter(0)  # a row's seq
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -315,27 +314,6 @@ def read_fields(kind: str, cls: type, n: int, at: int, same: Dict[Any, Any], col
     return Block(kind, n, at, known_same, known_cols, known_bin or None)
 
 
-def read_blocks(raw: Any, n_events: int, rejects: Rejects) -> Tuple[List[Block], int]:
-    """(good blocks, events skipped as of unknown kinds) from a frame's "blocks" list. Bad blocks are
-    dropped, each of their events counted in `rejects`."""
-    if type(raw) is not list:
-        raise FrameError("bad-envelope", f"frame envelope field 'blocks' is not a list (got {type(raw).__name__})")
-    out: List[Block] = []
-    skipped = total = 0
-    for i, b in enumerate(raw):
-        n = b.get("n") if type(b) is dict else None
-        weight = n if type(n) is int and 0 < n <= MAX_EVENTS_PER_FRAME else 1
-        total += weight
-        if total > MAX_EVENTS_PER_FRAME:
-            raise FrameError("too-many-items", f"frame's blocks hold more than {MAX_EVENTS_PER_FRAME} events "
-                                               f"(the most a frame may carry)")
-        try:
-            out.append(read_block(b, n_events))
-        except FrameError as e:
-            skipped += rejects.drop(e, f"block #{i}", weight)
-    return out, skipped
-
-
 KIND_ORDER = {"coll": 0, "start": 1, "end": 2}  # within one collective a rank enters, starts, then ends
 # Map events that say who is who (a rank announced, a communicator built): the rows after one in the
 # frame may need it, so one that comes after the first block is applied before the blocks' rows.
@@ -422,27 +400,3 @@ def run_rows(b: Block, seq: int, i: int, j: int) -> List[Event]:
     if i == 0 and j == b.n:
         return b.rows()
     return Block(b.kind, j - i, b.at, b.same, {c: v[i:j] for c, v in b.cols.items()}).rows()
-
-
-def expand(env: Dict[str, Any]) -> List[Any]:
-    """A decoded envelope's wire events with its blocks expanded back into wire maps, in order
-    (for readers that walk raw maps, e.g. the exporter). Blocks that are not well formed are left out."""
-    evs = env.get("events")
-    evs = evs if type(evs) is list else []
-    raw = env.get("blocks")
-    if type(raw) is not list or not raw:
-        return evs
-    good = []
-    for b in raw:
-        try:
-            good.append(read_block(b, len(evs)))
-        except FrameError:
-            continue
-    out: List[Any] = []
-    for item in in_order(evs, good):
-        if type(item) is tuple:
-            b, _, i, j = item
-            out.extend(b.wire()[i:j])
-        else:
-            out.append(item)
-    return out

@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import msgpack
 
-from ccld.wire.blocks import Block, in_order, read_blocks, run_rows, split
+from ccld.wire.blocks import Block, in_order, run_rows, split
+from ccld.wire.table import as_blocks, read_blocks
 from ccld.wire.schema import EVENT_TYPES, SCHEMA_MAJOR, SCHEMA_MINOR, Event
 from ccld.wire.validate import (MAX_EVENTS_PER_FRAME, MAX_FRAME_BYTES, FrameError, Rejects, check_type, read_spec,
                                 show, type_problem)
@@ -70,25 +71,34 @@ def event_from_wire(d: Any) -> Event:
 
 
 class Batch:
-    """One decoded frame. `plain` holds the events that came as maps, `blocks` the column blocks
-    (blocks.py); `events` is every event in frame order, built from the blocks on first use (the
-    timeline reads `plain` and `blocks` directly and never pays for that)."""
-    __slots__ = ("agent", "node", "batch", "version", "plain", "blocks", "skipped", "errors", "bad_counts", "_all")
+    """One decoded frame. `plain` holds the events that came as maps, `parts` the column blocks and
+    tables (blocks.py, table.py) as read, `blocks` those as Blocks only (a table's groups, made on first
+    use); `events` is every event in frame order, built from the blocks on first use (the timeline
+    reads `plain` and `parts` directly and never pays for either)."""
+    __slots__ = ("agent", "node", "batch", "version", "plain", "parts", "skipped", "errors", "bad_counts", "_all",
+                 "_blocks")
 
     def __init__(self, agent: str, node: str, batch: int, version: Tuple[int, int], events: List[Event],
                  skipped: int = 0, errors: Optional[List[FrameError]] = None,
-                 bad_counts: Optional[Dict[str, int]] = None, blocks: Optional[List[Block]] = None):
+                 bad_counts: Optional[Dict[str, int]] = None, blocks: Optional[List[Any]] = None):
         self.agent, self.node, self.batch, self.version = agent, node, batch, version
         self.plain = events
-        self.blocks = blocks or []
+        self.parts = blocks or []
         self.skipped = skipped  # events of kinds this reader does not know (newer minor versions)
         self.errors = errors if errors is not None else []  # bad events dropped; the rest of the frame is kept
         self.bad_counts = bad_counts if bad_counts is not None else {}  # every bad event by reason (errors keeps the first few)
         self._all: Optional[List[Event]] = None
+        self._blocks: Optional[List[Block]] = None
+
+    @property
+    def blocks(self) -> List[Block]:
+        if self._blocks is None:
+            self._blocks = as_blocks(self.parts)
+        return self._blocks
 
     @property
     def events(self) -> List[Event]:
-        if not self.blocks:
+        if not self.parts:
             return self.plain
         if self._all is None:
             out: List[Event] = []
@@ -102,7 +112,8 @@ class Batch:
 
     def __len__(self) -> int:
         """Events in the frame (without building them)."""
-        return len(self.plain) + sum(b.n for b in self.blocks)
+        rows: int = sum(b.n for b in self.parts)
+        return len(self.plain) + rows
 
 
 def encode_batch(agent: str, node: str, batch: int, events: List[Event], columns: bool = True,
@@ -176,7 +187,7 @@ def decode_batch(frame: bytes) -> Batch:
             events.append(event_from_wire(raw))
         except FrameError as e:
             skipped += rejects.drop(e, f"event #{i}")
-    blocks: List[Block] = []
+    blocks: List[Any] = []
     if "blocks" in env:
         blocks, more = read_blocks(env["blocks"], len(env["events"]), rejects)
         skipped += more

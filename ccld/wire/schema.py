@@ -6,10 +6,10 @@ frame is read (validate.py). A field with a default may be missing from a frame 
 Times: every `ts_ns` is CLOCK_MONOTONIC nanoseconds of the node that made the event (BPF's
 bpf_ktime_get_ns and Python's time.monotonic_ns share that clock). Nothing here converts clocks:
 the collector does that in one place (`timeline.clock`), from the agent's `clock` samples.
-Compatibility: a frame with a newer MAJOR is rejected; a newer MINOR is read, unknown fields are
-ignored and events of an unknown kind skipped and counted (codec.py; but readers of 1.7 and older
-refuse 1.8's packed columns: blocks.py). Field names follow PyTorch's vocabulary (process group, seq,
-group size, count, dtype): traces join with Flight Recorder and Kineto.
+Compatibility: a frame with a newer MAJOR is rejected; a newer MINOR is read, unknown fields ignored,
+events of an unknown kind skipped and counted (codec.py; readers of 1.7 refuse 1.8's packed columns,
+readers of 1.8 skip 1.9's tables: blocks.py). Field names: PyTorch's (process group, seq, group size,
+count, dtype): traces join with Flight Recorder and Kineto.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Tuple, Type
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 8  # 1.1 link, sched, qp, nic; 1.2 gpu_kernel, gpu_memop, gpu_loss; 1.3 clock_sync; 1.4 column
+SCHEMA_MINOR = 9  # 1.1 link, sched, qp, nic; 1.2 gpu_kernel, gpu_memop, gpu_loss; 1.3 clock_sync; 1.4 column
                   # blocks, "resend"; 1.5 p2p_end, P2P's seq/nbytes/lib_seq, CollEnter's lib_seq, CommInit's seq_source;
-                  # 1.6 RankExit's exact/signal/by_launcher; 1.7 net_progress, compute; 1.8 packed columns, subgroup
+                  # 1.6 RankExit's fields; 1.7 net_progress, compute; 1.8 packed columns, subgroup; 1.9 tables
 # CommInit.seq_source: how a rank numbers `seq` (collectives) and P2P.seq on that communicator
 SEQ_LIBRARY = "library"      # the library's own collective counter (gloo: c10d's tag): exact, also mid-run
 SEQ_FROM_INIT = "counted"    # counted by the agent from the group's creation: exact

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from ccld import wire as ev
-from ccld.wire import blocks
+from ccld.wire import blocks, table
 from ccld.timeline.ingest import IngestCounters, decode_frame
 from ccld.timeline.timeline import Timeline
 
@@ -74,7 +74,7 @@ def test_any_field_may_be_shared_or_a_column():
 def test_expand_gives_the_wire_maps_a_row_reader_would_have_seen():
     evs = [coll(0, 1, 5), start(0, 1, 6), end(0, 1, 7), ev.ClockSample(mono_ns=1, wall_ns=2, ts_ns=1)]
     d = msgpack.unpackb(ev.encode_batch("a", "n", 1, evs), raw=False)
-    assert blocks.expand(d) == [e.to_wire() for e in evs]
+    assert table.expand(d) == [e.to_wire() for e in evs]
 
 
 BAD_BLOCKS = [
@@ -430,7 +430,7 @@ def test_a_block_with_every_field_shared_is_one_event_and_more_rows_are_refused(
            "cols": {}}
     batch = ev.decode_batch(env(blocks_=[one]))
     assert len(batch) == 1 and batch.events == [start(0, 4, 10, comm="c")]  # zip of no columns gave none
-    assert blocks.expand(msgpack.unpackb(env(blocks_=[one]), raw=False)) == [start(0, 4, 10, comm="c").to_wire()]
+    assert table.expand(msgpack.unpackb(env(blocks_=[one]), raw=False)) == [start(0, 4, 10, comm="c").to_wire()]
     tl = Timeline()
     tl.ingest(batch, 1.0)
     assert tl.events_by_kind["start"] == 1

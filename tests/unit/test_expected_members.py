@@ -54,11 +54,6 @@ def export_side(world, gs, sub, pp, announced, ranks=None):
     return c
 
 
-def test_the_timeline_keeps_the_shared_rules_threshold():
-    from ccld.timeline import timeline
-    assert timeline.SMALL_WORLD == members.SMALL_WORLD
-
-
 @pytest.mark.parametrize("world", [-1, 8, 100, 1000])
 def test_the_timeline_and_the_export_expect_the_same_ranks(world):
     for gs, sub, pp, announced in itertools.product((-1, 0, 2, world), (False, True), (False, True), ANNOUNCED):

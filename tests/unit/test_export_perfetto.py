@@ -475,6 +475,25 @@ def _packed(frame):
     return msgpack.packb(env, use_bin_type=True)
 
 
+def _as_table(frame):
+    """The frame with its packed blocks as one table (schema 1.9, ccld/wire/table.py): groups by kind,
+    columns spanning every row (zeros where a kind has no such field: filler its reader ignores)."""
+    import msgpack
+    import numpy as np
+    from ccld.bpf.rows import pack_column
+    from ccld.wire.blocks import unpack
+    env = msgpack.unpackb(frame, raw=False)
+    blocks = sorted(env.pop("blocks", ()), key=lambda b: ("coll", "start", "end").index(b["k"]))
+    if blocks:
+        names = sorted({c for b in blocks for c in b["cols"]})
+        cols = {c: pack_column(np.array([v for b in blocks for v in (
+            unpack(b["cols"][c], b["n"]) if c in b["cols"] else [0] * b["n"])], np.int64)) for c in names}
+        env["blocks"] = [{"k": "table", "n": sum(b["n"] for b in blocks), "cols": cols,
+                          "groups": [[b["k"], b["n"], b["at"], b["same"]] for b in blocks]}]
+    env["v"] = [1, 9]
+    return msgpack.packb(env, use_bin_type=True)
+
+
 def _content(t):
     """A trace's slices, instants and counters by (rank, track, name, times, args), flows as the
     (rank, track, seq) they join: comparable across traces whose uuids and flow ids differ."""
@@ -494,13 +513,14 @@ def _content(t):
 
 def test_frames_as_maps_and_as_column_blocks_give_the_same_trace(recorded, tmp_path):
     """Stores from before schema 1.4 (every event a map), after (coll/start/end as column blocks) and
-    after 1.8 (their columns packed) are exported alike: the trace's content is the same, only the
+    after 1.8 (their columns packed) and 1.9 (one table a frame) are exported alike: the trace's content is the same, only the
     model's input path differs."""
     from ccld.store import read_store
     store, _, _ = recorded
     got = {}
     for shape, convert in (("maps", _as_maps), ("blocks", lambda f: _as_blocks(_as_maps(f))),
-                           ("packed", lambda f: _packed(_as_blocks(_as_maps(f))))):
+                           ("packed", lambda f: _packed(_as_blocks(_as_maps(f)))),
+                           ("table", lambda f: _as_table(_packed(_as_blocks(_as_maps(f)))))):
         path = tmp_path / shape
         w = StoreWriter(str(path))
         for recv, frame in read_store(str(store)):
@@ -512,7 +532,7 @@ def test_frames_as_maps_and_as_column_blocks_give_the_same_trace(recorded, tmp_p
         t = parse(out)
         assert t.errors == [] and stats["bad_events"] == 0 and stats["anomalies"] == {}
         got[shape] = _content(t)
-    assert len(got["maps"][0]) > 4 * N_OK * 2 and got["maps"] == got["blocks"] == got["packed"]
+    assert len(got["maps"][0]) > 4 * N_OK * 2 and got["maps"] == got["blocks"] == got["packed"] == got["table"]
 
 
 def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):
