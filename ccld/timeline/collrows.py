@@ -112,12 +112,7 @@ class Rows:
                         acc.extend([g[4].get(name, default)] * g[2])
             for g in run:
                 a.comm.extend([g[4]["comm"]] * g[2])
-            a.node.same(code, n)
-            a.agent.extend([agent] * n)
-            a.counts.append(n)
-            a.clk.append(clk)
-            a.n += n
-            self.n += n
+            self._took(a, agent, code, clk, n)
             i = j
 
     def _rows(self, a: _Acc, agent: str, node: int, clk: Tuple[int, int, int, int], n: int, same: Dict[str, Any],
@@ -133,6 +128,10 @@ class Rows:
                 continue
             v = cols.get(name)
             acc.extend(v if v is not None else [same.get(name, default)] * n)
+        self._took(a, agent, node, clk, n)
+
+    def _took(self, a: _Acc, agent: str, node: int, clk: Tuple[int, int, int, int], n: int) -> None:
+        """What every row of a run of n shares: its node, agent and clock conversion; counted."""
         a.node.same(node, n)
         a.agent.extend([agent] * n)
         a.counts.append(n)
