@@ -133,7 +133,7 @@ def table(parts: Sequence[Tuple[int, Rows]], shift=None) -> Optional[Dict[str, A
     a group's rows contiguous and sorted by seq (stable: readers rely on it for speed). A column is sent when some kind present has it (tid and lib_seq: coll rows);
     a row of a kind without that field carries filler there. `shift` maps a list of times to this
     node's reported clock (NodeClock)."""
-    if not parts:
+    if not sum(len(r) for _, r in parts):
         return None
     ats = np.concatenate([np.full(len(r), at, np.int64) for at, r in parts])
     rows = concat([r for _, r in parts])

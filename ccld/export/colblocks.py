@@ -41,14 +41,14 @@ def feed_frame(m: "TraceModel", agent: str, node: str, evs: list, blocks: list) 
     block placed after it (frames are split into blocks by kind and shared fields)."""
     good = []
     for b in _groups(m, blocks):
-        if type(b) is dict and type(b.get("at", 0)) is int:
+        if type(b) is dict and type(b.get("at", 0)) is int and type(b.get("k")) is str:  # a list kind: unhashable
             u = _unpacked(b)
             if u is None:  # a packed column of the wrong length (or a bad n): the block's rows are bad
                 m.stats["bad_events"] += rows_in([b])
             else:
                 good.append(u)
         else:
-            m.stats["bad_events"] += 1
+            m.stats["bad_events"] += rows_in([b])  # its rows, as it says (1: not a map)
     good.sort(key=_at)
     later = []
     i = 0
