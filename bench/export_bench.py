@@ -3,8 +3,10 @@
 Each store is generated once under /tmp with events.encode_batch + StoreWriter, in batches like an
 agent's: every 100 ms, one frame per node holding its ranks' collective events (enter, start, end,
 with count/dtype/nbytes as NCCL reports them), /proc states every 0.5 s, loss counters every second,
-a few send/recv, and the clock sample. Stores come in three shapes: "packed", as agents write since
-schema 1.8 (coll/start/end as column blocks, their int columns packed as little-endian int64 bytes),
+a few send/recv, and the clock sample. Stores come in four shapes: "table", as agents write since
+schema 1.9 (a frame's coll/start/end as one table, ccld/wire/table.py, made by the agent's own frame
+encoder, ccld/tracer/frames.py), "packed", as agents wrote in 1.8 (coll/start/end as column blocks,
+their int columns packed as little-endian ints),
 "blocks", as agents wrote from 1.4 to 1.7 (the same blocks, columns as lists), and "maps", every
 event a map (schema <= 1.3, and what an agent with columns=False sends). Every run is a child process of its own, so its peak RSS
 (ru_maxrss from wait4) and its CPU time (user + system) are that run's alone. Runs: `decode`
@@ -45,6 +47,8 @@ import numpy as np  # noqa: E402
 
 from ccld import wire as ev  # noqa: E402
 from ccld.bpf.rows import pack_column  # noqa: E402
+from ccld.tracer import frames as agent_frames  # noqa: E402
+from ccld.tracer.nodeclock import NodeClock  # noqa: E402
 from ccld.store import StoreWriter  # noqa: E402
 from results import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
 
@@ -67,7 +71,7 @@ def packed(frame: bytes) -> bytes:
 
 
 def generate(path: str, events: int, seed: int = 1, shape: str = "blocks") -> Dict[str, Any]:
-    """Write a store of about `events` events, frames of `shape` (packed, blocks or maps); returns what
+    """Write a store of about `events` events, frames of `shape` (table, packed, blocks or maps); returns what
     was written."""
     rnd = random.Random(seed)
     per_node = WORLD // NODES
@@ -121,7 +125,10 @@ def generate(path: str, events: int, seed: int = 1, shape: str = "blocks") -> Di
                     evs.append(ev.LossCounters(ts_ns=mono(n, t), counters={"ringbuf_lost": 0, "queue_dropped": frames // 100}))
                 evs.append(ev.ClockSample(mono_ns=mono(n, t), wall_ns=int(t * 1e9), ts_ns=mono(n, t)))
                 batch += 1
-                frame = ev.encode_batch(f"agent-{n}", f"node{n}", batch, evs, columns=shape != "maps")
+                if shape == "table":
+                    frame = agent_frames.encode(f"agent-{n}", f"node{n}", batch, evs, NodeClock())
+                else:
+                    frame = ev.encode_batch(f"agent-{n}", f"node{n}", batch, evs, columns=shape != "maps")
                 w.append(packed(frame) if shape == "packed" else frame, t + 0.002)
                 written += len(evs)
                 pending[n] = []
@@ -223,8 +230,9 @@ def report(sizes: List[Dict[str, Any]], command: str) -> str:
         f"time, user + system of the run, is the steadier figure; ratios within one run compare best); "
         f"{datetime.date.today().isoformat()}. Synthetic stores: {WORLD} ranks on {NODES} nodes, a collective "
         f"every {COLL_PERIOD_S * 1000:.0f} ms (enter, start, end per rank), /proc states, losses, p2p, one frame "
-        f"per node every {FRAME_S * 1000:.0f} ms; shape `packed`: coll/start/end as column blocks with packed "
-        "int columns (schema 1.8, what agents send now), `blocks`: the same blocks with list columns (1.4 to "
+        f"per node every {FRAME_S * 1000:.0f} ms; shape `table`: a frame's coll/start/end as one table (schema "
+        "1.9, what agents send now, made by their frame encoder), `packed`: as column blocks with packed "
+        "int columns (1.8), `blocks`: the same blocks with list columns (1.4 to "
         "1.7), `maps`: every event a map (stores from before 1.4). Each run is a child "
         "process: events/s = events read / its wall time, events/CPU-s = events read / its CPU time (both "
         "from the export's start, after its imports); peak = its max RSS. `perfetto`: with the C accelerator "
@@ -313,8 +321,8 @@ def split_line(s: Dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="1000000,10000000", help="store sizes in events (comma-separated)")
-    p.add_argument("--shapes", default="packed,blocks,maps",
-                   help="store shapes: packed, blocks, maps (comma-separated)")
+    p.add_argument("--shapes", default="table,packed,blocks,maps",
+                   help="store shapes: table, packed, blocks, maps (comma-separated)")
     p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"runs, of {', '.join(RUNS)} (comma-separated)")
     p.add_argument("--dir", default="/tmp", help="where the stores and traces go (deleted after)")
     p.add_argument("--write-results", action="store_true", help=f"update the export section of {RESULTS}")
@@ -326,7 +334,7 @@ def main() -> int:
     sizes = []
     os.makedirs(args.dir, exist_ok=True)
     for shape in [x for x in args.shapes.split(",") if x]:
-        if shape not in ("packed", "blocks", "maps"):
+        if shape not in ("table", "packed", "blocks", "maps"):
             p.error(f"unknown shape {shape!r}")
         for n in [int(float(x)) for x in args.sizes.split(",")]:
             root = tempfile.mkdtemp(prefix="ccld-export-bench-", dir=args.dir)

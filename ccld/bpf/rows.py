@@ -24,6 +24,7 @@ BLOCK_COLUMNS = {KIND_COLL: ("seq", "pid", "rank", "ts_ns", "tid", "lib_seq"),
                  KIND_START: ("seq", "pid", "rank", "ts_ns"),
                  KIND_END: ("seq", "pid", "rank", "ts_ns")}
 _CLASSES = {KIND_COLL: ev.CollEnter, KIND_START: ev.WorkStart, KIND_END: ev.WorkEnd}
+OPTIONAL = {"tid": 0, "lib_seq": -1}  # columns with a default in the schema (CollEnter's): a table may leave them out
 _I4, _I8 = np.dtype("<i4"), np.dtype("<i8")  # made once: a dtype from its string costs more than a small copy
 _I4_MIN, _I4_MAX = -(1 << 31), (1 << 31) - 1
 MAX_GROUPS = 65536  # distinct shared-field sets one translator keeps numbered before starting afresh
@@ -130,9 +131,10 @@ def table(parts: Sequence[Tuple[int, Rows]], shift=None) -> Optional[Dict[str, A
     are none: `parts` are (at, rows), `at` being the number of the frame's plain events made before
     those rows. One group per shared-field set, placed `at` the first of its rows; groups in order of
     kind (the collector gathers a run of one kind at once), then of that place, then of their numbers;
-    a group's rows contiguous and sorted by seq (stable: readers rely on it for speed). A column is sent when some kind present has it (tid and lib_seq: coll rows);
-    a row of a kind without that field carries filler there. `shift` maps a list of times to this
-    node's reported clock (NodeClock)."""
+    a group's rows contiguous and sorted by seq (stable: readers rely on it for speed). A column is
+    sent when some kind present has it (tid and lib_seq: coll rows) and, for an OPTIONAL one, some row
+    of such a kind holds other than its default; a row of a kind without the field carries filler
+    there. `shift` maps a list of times to this node's reported clock (NodeClock)."""
     if not sum(len(r) for _, r in parts):
         return None
     ats = np.concatenate([np.full(len(r), at, np.int64) for at, r in parts])
@@ -155,11 +157,17 @@ def table(parts: Sequence[Tuple[int, Rows]], shift=None) -> Optional[Dict[str, A
         groups.append([WIRE_KINDS[kind], sizes[p], int(first_at[g]), dict(same)])
     cols = {}
     for c in COLUMNS:
-        if any(c in BLOCK_COLUMNS[k] for k in kinds):
-            col = rows.cols[c][order]
-            if shift is not None and c == "ts_ns":
-                col = np.array(shift(col.tolist()), np.int64)
-            cols[c] = pack_column(col)
+        having = [k for k in kinds if c in BLOCK_COLUMNS[k]]
+        if not having:
+            continue
+        if c in OPTIONAL:  # left out when every row that has the field holds its default (gloo: lib_seq)
+            mine = rows.cols[c][np.isin(rows.kind, having)]
+            if not len(mine) or (mine == OPTIONAL[c]).all():
+                continue
+        col = rows.cols[c][order]
+        if shift is not None and c == "ts_ns":
+            col = np.array(shift(col.tolist()), np.int64)
+        cols[c] = pack_column(col)
     return {"k": "table", "n": len(order), "groups": groups, "cols": cols}
 
 
