@@ -3,6 +3,7 @@
     schema.py    one frozen class per event kind, their fields and the schema version
     validate.py  the one validator (types, bounds on hostile input, rejected events counted)
     blocks.py    column blocks: the hot collective kinds, batched (the second encoding of the schema)
+    table.py     tables (1.9): a frame's blocks as one, and the reader of a frame's "blocks" list
     codec.py     frames: the envelope, events as MessagePack maps, decode_batch / encode_batch
     protocol.py  the time service's messages (clock round trips, frame acknowledgements)
 
