@@ -139,10 +139,10 @@ def table(parts: Sequence[Tuple[int, Rows]], shift=None) -> Optional[Dict[str, A
         return None
     ats = np.concatenate([np.full(len(r), at, np.int64) for at, r in parts])
     rows = concat([r for _, r in parts])
-    used, inv = np.unique(rows.group, return_inverse=True)  # the group numbers include the kind
+    # the group numbers include the kind; parts come in order, so a group's first row has its least at
+    used, first, inv = np.unique(rows.group, return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
-    first_at = np.full(len(used), np.iinfo(np.int64).max, np.int64)
-    np.minimum.at(first_at, inv, ats)
+    first_at = ats[first]
     kind_of = np.array([rows.groups[int(g)][0] for g in used.tolist()], np.int64)
     by_place = np.lexsort((used, first_at, kind_of))
     place = np.empty(len(used), np.int64)
@@ -161,8 +161,8 @@ def table(parts: Sequence[Tuple[int, Rows]], shift=None) -> Optional[Dict[str, A
         if not having:
             continue
         if c in OPTIONAL:  # left out when every row that has the field holds its default (gloo: lib_seq)
-            mine = rows.cols[c][np.isin(rows.kind, having)]
-            if not len(mine) or (mine == OPTIONAL[c]).all():
+            other = rows.cols[c] != OPTIONAL[c]
+            if not other.any() or not any((other & (rows.kind == k)).any() for k in having):
                 continue
         col = rows.cols[c][order]
         if shift is not None and c == "ts_ns":
