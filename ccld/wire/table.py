@@ -30,12 +30,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from ccld.wire.blocks import _FAST, Block, _fast_spec, in_order, read_block
+from ccld.wire.blocks import _FAST, Block, _fast_spec, in_order, packed_width, read_block
 from ccld.wire.schema import EVENT_TYPES, SCHEMA_MINOR
 from ccld.wire.validate import MAX_EVENTS_PER_FRAME, FrameError, Rejects, show
 
 KIND = "table"
-_WIDTHS = (1, 2, 4, 8)
 Group = Tuple[str, int, int, int, Dict[str, Any], Tuple[str, ...]]  # kind, first row, rows, at, same, its columns
 
 
@@ -65,11 +64,9 @@ class Table:
 
 
 def table_width(raw: Any, n: int) -> int:
-    """The width in bytes of a packed column of n rows; 0 when `raw` is not bytes of n times a width."""
-    if type(raw) is not bytes:
-        return 0
-    w, rest = divmod(len(raw), n)
-    return w if not rest and w in _WIDTHS else 0
+    """The width in bytes of a packed column of n rows (blocks.packed_width's rule); 0 when `raw` is not
+    bytes of n times a width."""
+    return packed_width(raw, n) if type(raw) is bytes else 0
 
 
 def _header(raw: Dict[str, Any]) -> Tuple[int, List[Any], Dict[Any, Any]]:
@@ -103,7 +100,11 @@ def _header(raw: Dict[str, Any]) -> Tuple[int, List[Any], Dict[Any, Any]]:
 def group_blocks(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The table's groups as wire blocks (blocks.py's maps, every column a packed slice of the group's
     rows), unchecked beyond the header (the exporter's reader). Raises FrameError for a bad header."""
-    n, groups, cols = _header(raw)
+    return _group_blocks(*_header(raw))
+
+
+def _group_blocks(n: int, groups: List[Any], cols: Dict[Any, Any]) -> List[Dict[str, Any]]:
+    """group_blocks of a header already checked."""
     widths = {name: len(col) // n for name, col in cols.items()}
     out = []
     at = 0
@@ -177,7 +178,7 @@ def read_table(raw: Dict[str, Any], n_events: int, rejects: Rejects, where: str)
     if got is not None:
         return [got], 0
     out, skipped = [], 0
-    for i, b in enumerate(group_blocks(raw)):
+    for i, b in enumerate(_group_blocks(n, groups, cols)):
         kind = b["k"]
         layout = _layout(kind, tuple(cols)) if type(kind) is str else None
         if layout is not None:  # else: an unknown kind, or a column of another type (read_block says which)
