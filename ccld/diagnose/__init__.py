@@ -116,6 +116,8 @@ class Diagnoser:
         incs = self.find_inconsistent(now)
         hangs = [h for h in self._hang_pass(now)
                  if h.kind == "hang" and not any(inconsistent.explains(i, h) or self._stuck_in(i, h) for i in incs)]
+        held = {id(h) for h in linkfaults.held_on_lossy_links(self.timeline, now, hangs)}
+        hangs = [h for h in hangs if id(h) not in held]  # a lossy link's stall: comm-slow's, not yet a hang
         refined = linkfaults.find_link_faults(self.timeline, now, hangs)
         replaced = {(f.comm, f.seq) for f in refined}
         refined += nccllinks.find_proxy_faults(self.timeline, now, [h for h in hangs if (h.comm, h.seq) not in replaced])

@@ -6,6 +6,10 @@ others were quiet. Ranks of one collective stall together (each waits for the da
 it), so "bytes stopped moving" alone cannot tell the links apart; retransmissions and resets can. The
 findings replace the hangs they explain. Asked of a Timeline (its `links` table: rank pairs with
 per-second buckets, see links.py) at Unix time `now`; suspects are named with links.name_pairs.
+A wait on a link that was lossy before it began (it kept retransmitting while it carried data) is
+held until it lasts LOSSY_HOLD_S (`held_on_lossy_links`): TCP backs off on each lost retransmission,
+so such a link stalls a transfer for seconds now and then, and that is the slow link comm-slow names,
+not a hang; a link cut on top of the loss still retransmits past the hold and is named then.
 Aftermath: a rank at either end of a link fault that then exits (a cut link makes its calls fail)
 is that fault's consequence, not a second root cause: the link finding stays in its place.
 """
@@ -25,6 +29,11 @@ MIN_LINK_RETRANS = 2       # retransmissions since a hang began that make a link
 HANG_SETTLE_S = 1.0        # retransmissions are counted from this long after a hang began: data in flight
                            # when it began is acked (or lost) by then, and on a busy 2-core box every link
                            # retransmits now and then; after it, only a link that lost its peer keeps trying
+LOSSY_BEFORE_S = 10.0      # a link that retransmitted in this long before a hang began ...
+LOSSY_RETRANS_PER_S = 1.0  # ... this often on average (healthy links here: at most ~0.5/s; a 5 % loss: ~20/s),
+                           # standing out from the others, was lossy before the wait: not cut at its onset ...
+LOSSY_HOLD_S = 12.0        # ... so a wait on it is a hang only past this (six lost retransmissions in a row
+                           # back off 0.2 + 0.4 + ... + 6.4 s; under the 15 s in which a hang is to be named)
 AFTERMATH_S = 60.0         # a link fault's rank that exits within this long of the fault's last sight ...
 AFTERMATH_ONSET_S = 5.0    # ... in a hang that began at most this long before the fault's: its consequence
 
@@ -49,15 +58,37 @@ def _link_suspects(tl: Timeline, job: str, t_from: float, now: float) -> Tuple[L
     return suspects, win
 
 
+def _on_a_link(tl: Timeline, h: Finding) -> bool:
+    """Whether a link can be what holds hang `h`."""
+    if h.kind != "hang" or h.evidence.get("reason") in ("exited", "stopped"):
+        return False  # a dead or stopped process explains the hang by itself
+    # a not-entered hang whose culprits are in no operation (asleep, computing): no link holds them
+    return h.cls != "not-entered" or any(waits.blocked(tl, h.job, r) is not None for r in h.ranks)
+
+
+def held_on_lossy_links(tl: Timeline, now: float, hangs: List[Finding]) -> List[Finding]:
+    """The `hangs` not yet LOSSY_HOLD_S long whose retransmitting link (since the hang began) was
+    lossy before it began too: a lossy link's stall, which comm-slow names, not (yet) a hang."""
+    out = []
+    for h in hangs:
+        if now - h.onset_at >= LOSSY_HOLD_S or not _on_a_link(tl, h):
+            continue
+        suspects, _ = _link_suspects(tl, h.job, h.onset_at + HANG_SETTLE_S, now)
+        if not suspects:
+            continue
+        before, win = _link_suspects(tl, h.job, h.onset_at - LOSSY_BEFORE_S, h.onset_at)
+        if any(p in before and win[p].retrans >= LOSSY_RETRANS_PER_S * LOSSY_BEFORE_S for p in suspects):
+            out.append(h)
+    return out
+
+
 def find_link_faults(tl: Timeline, now: float, hangs: List[Finding]) -> List[Finding]:
     """Hang findings refined to a link: a connection reset, or one that kept retransmitting while a
     collective that needs it is open. Returns findings that replace the `hangs` they explain."""
     out = []
     for h in hangs:
-        if h.kind != "hang" or h.evidence.get("reason") in ("exited", "stopped"):
-            continue  # a dead or stopped process explains the hang by itself
-        if h.cls == "not-entered" and all(waits.blocked(tl, h.job, r) is None for r in h.ranks):
-            continue  # its culprits are in no operation (asleep, computing): no link holds them
+        if not _on_a_link(tl, h):
+            continue
         suspects, win = _link_suspects(tl, h.job, h.onset_at + HANG_SETTLE_S, now)
         named = name_pairs(suspects) if suspects else None
         if named is None:
