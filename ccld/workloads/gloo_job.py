@@ -18,6 +18,9 @@ for a user's script that ccld knows nothing about:
                                  ranks 2.. then wait in the default group)
   --slow-rank R --slow-ms M [--slow-step K]
                                  rank R computes M ms more than the others, every step (from step K)
+  --fault-file F                 the one-rank faults above (hang, ckpt, wrong-op, wrong-size, deadlock,
+                                 slow) also wait for F: each acts at the first of its steps >= K once F
+                                 exists (jobkit.FaultGate), so a harness places the onset in time
   --compute-work                 --compute-ms (and --slow-ms) are a fixed amount of work (what the core
                                  does in that time unloaded), not wall time: CPU contention stretches it
   --ddp                          a small nn model in DistributedDataParallel (several buckets) instead
@@ -88,9 +91,9 @@ def checkpoint(rank: int, seconds: float, state, directory: str) -> None:
 class Bare:
     """A step of bare collectives (--ops) on a tensor of --elems."""
 
-    def __init__(self, a, rank, world):
+    def __init__(self, a, rank, world, gate):
         import torch
-        self.a, self.rank, self.world = a, rank, world
+        self.a, self.rank, self.world, self.gate = a, rank, world, gate
         self.ops = [o for o in a.ops.split(",") if o]
         self.counts = {o: 0 for o in self.ops}
         self.t = torch.ones(a.elems)
@@ -99,14 +102,14 @@ class Bare:
     def step(self, step: int) -> None:
         import torch
         import torch.distributed as dist
-        a, rank, world, t = self.a, self.rank, self.world, self.t
+        a, rank, world, t, due = self.a, self.rank, self.world, self.t, self.gate.due
         for i, o in enumerate(self.ops):
             first = i == 0
-            if first and step == a.wrong_op_step and rank == a.wrong_op_rank:
+            if first and rank == a.wrong_op_rank and due("wrong_op", step, a.wrong_op_step):
                 say(f"rank {rank}: calling all_gather instead of {o} at step {step} t {time.time():.3f}")
                 dist.all_gather([torch.empty(a.elems) for _ in range(world)], t)
             elif o == "allreduce":
-                if step == a.wrong_size_step and rank == a.wrong_size_rank:
+                if rank == a.wrong_size_rank and due("wrong_size", step, a.wrong_size_step):
                     n = a.wrong_size_elems or 2 * a.elems
                     say(f"rank {rank}: all_reduce of {n} elements instead of {a.elems} at step {step} "
                         f"t {time.time():.3f}")
@@ -210,6 +213,7 @@ def main() -> int:
     ap.add_argument("--slow-rank", type=int, default=-1)
     ap.add_argument("--slow-ms", type=float, default=0.0)
     ap.add_argument("--slow-step", type=int, default=0)
+    ap.add_argument("--fault-file", default="", help="the one-rank faults act at their step once this file exists")
     ap.add_argument("--ddp", action="store_true")
     ap.add_argument("--compute-work", action="store_true")
     ap.add_argument("--wait-file", default="")
@@ -231,7 +235,12 @@ def main() -> int:
     if a.wait_file:
         while not os.path.exists(a.wait_file):
             time.sleep(0.05)
-    work = Ddp(a, rank, world) if a.ddp else Bare(a, rank, world)
+    if __package__:
+        from .jobkit import FaultGate
+    else:
+        from jobkit import FaultGate
+    gate = FaultGate(a.fault_file)
+    work = Ddp(a, rank, world) if a.ddp else Bare(a, rank, world, gate)
     gt = torch.ones(16)
     w = torch.randn(64, 64)
     if a.compute_work:
@@ -241,22 +250,22 @@ def main() -> int:
     store, stop = (dist.distributed_c10d._get_default_store() if deadline else None), {}
     step = 0
     while step < a.steps if deadline is None else not time_is_up(deadline, step, rank, store, stop):
-        if step == a.hang_step and rank == a.hang_rank:
+        if rank == a.hang_rank and gate.due("hang", step, a.hang_step):
             say(f"rank {rank}: hanging before step {step}")
             while True:
                 time.sleep(3600)
         if step == a.pause_step:
             time.sleep(a.pause_s)
-        if step == a.ckpt_step and rank == a.ckpt_rank:
+        if rank == a.ckpt_rank and gate.due("ckpt", step, a.ckpt_step):
             state = work.state() if callable(work.state) else work.state
             checkpoint(rank, a.ckpt_s, state, a.ckpt_dir or tempfile.gettempdir())
         w = spin(a.compute_ms, w)
-        if rank == a.slow_rank and a.slow_ms and step >= a.slow_step:
-            if step == a.slow_step:
+        if rank == a.slow_rank and a.slow_ms and ("slow" in gate.fired or gate.due("slow", step, a.slow_step)):
+            if gate.fired["slow"] == step:
                 say(f"rank {rank}: slowed by {a.slow_ms:g} ms per step from step {step} t {time.time():.3f}")
             w = spin(a.slow_ms, w)
         if groups and rank in (0, 1):
-            order = groups[::-1] if (step == a.deadlock_step and rank == 1) else groups
+            order = groups[::-1] if (rank == 1 and gate.due("deadlock", step, a.deadlock_step)) else groups
             if order is not groups:
                 say(f"rank {rank}: taking the subgroups in the opposite order at step {step} t {time.time():.3f}")
             for g in order:

@@ -19,6 +19,10 @@ Common faults (where in a step each acts; the workloads' headers say where their
   --batch-change-step K --batch-factor F      from step K compute and activation sizes scale by F
                                     (parameters and gradients keep theirs, as in a real job)
   --wrong-op-rank R --wrong-op-step K [--wrong-op-group G]   R calls another collective in G
+  --fault-file F                    the one-rank faults above (hang, slow, io, ckpt, wrong-op; not the
+                                    loader's, whose worker reads ahead) also wait for F: each acts at
+                                    the first of its steps >= K once F exists (FaultGate), so a
+                                    harness places the onset in time, not at a step it must guess
 
 Lines a harness reads (one per injected fault, written when it begins; "t" is its onset):
   rank R: hanging at step K before send to rank D t UNIX      (pipeline; others "... before its first
@@ -114,6 +118,26 @@ def add_common_flags(ap: argparse.ArgumentParser) -> None:
     f.add_argument("--wrong-op-rank", type=int, default=-1)
     f.add_argument("--wrong-op-step", type=int, default=-1)
     f.add_argument("--wrong-op-group", default="", help="the group of the wrong collective (per workload)")
+    f.add_argument("--fault-file", default="", help="the one-rank faults act at their step once this file exists")
+
+
+class FaultGate:
+    """When a one-rank fault placed at a step applies (gloo_job.py uses it too): in step K, or with
+    --fault-file in the first step >= K (of those this rank asks about) that comes once the file
+    exists. Then in that step only, as a fault at step K always did: it acts once."""
+
+    def __init__(self, path: str = ""):
+        self.path = path
+        self.fired = {}   # fault -> the step it applied in
+
+    def due(self, fault: str, step: int, at: int) -> bool:
+        fired = self.fired.get(fault)
+        if fired is not None:
+            return fired == step
+        if at < 0 or step < at or (self.path and not os.path.exists(self.path)):  # one stat a step, this rank
+            return False
+        self.fired[fault] = step
+        return True
 
 
 def check_common_flags(ap: argparse.ArgumentParser, a, wrong_op_groups) -> None:
@@ -220,7 +244,7 @@ class Job:
         self.ops = Ops()
         self.compute = None
         self._loader = None
-        self._said = set()
+        self.gate = FaultGate(a.fault_file)
         self.state = {"w": torch.randn(CKPT_STATE_DIM, CKPT_STATE_DIM)}  # what --ckpt-rank writes
         self.batch = None  # this step's input from the data loader, with --loader
 
@@ -264,24 +288,26 @@ class Job:
 
     def hang_point(self, step: int, where: str) -> None:
         """--hang-rank/--hang-step: call where the fault belongs; sleeps forever when it applies."""
-        if step == self.a.hang_step and self.rank == self.a.hang_rank:
+        if self.rank == self.a.hang_rank and self.gate.due("hang", step, self.a.hang_step):
             say(f"rank {self.rank}: hanging at step {step} {where} t {now()}")
             sleep_forever()
 
     def slow_ms(self, step: int) -> float:
         """Extra compute this rank does in `step` (--slow-*); the onset line at its first step."""
         a = self.a
-        if self.rank != a.slow_rank or a.slow_ms <= 0 or step < a.slow_step:
+        if self.rank != a.slow_rank or a.slow_ms <= 0:
             return 0.0
-        if "slow" not in self._said:
-            self._said.add("slow")
+        if "slow" not in self.gate.fired:
+            if not self.gate.due("slow", step, a.slow_step):
+                return 0.0
             say(f"rank {self.rank}: slowed by {a.slow_ms:g} ms per step from step {step} t {now()}")
         return a.slow_ms
 
     def wrong_op(self, step: int, group: str, instead_of: str, calls: str = "all_gather") -> bool:
         """True when this rank calls `calls` instead of `instead_of` in `group` at `step`."""
         a = self.a
-        if step != a.wrong_op_step or self.rank != a.wrong_op_rank or group != a.wrong_op_group:
+        if self.rank != a.wrong_op_rank or group != a.wrong_op_group or not self.gate.due("wrong_op", step,
+                                                                                           a.wrong_op_step):
             return False
         say(f"rank {self.rank}: calling {calls} instead of {instead_of} in group {group} at step {step} "
             f"t {now()}")
@@ -293,11 +319,11 @@ class Job:
         if step == a.pause_step and a.pause_s > 0:
             say(f"rank {rank}: pausing {a.pause_s:g} s before step {step} t {now()}")
             time.sleep(a.pause_s)
-        if step == a.ckpt_step and rank == a.ckpt_rank:
+        if rank == a.ckpt_rank and self.gate.due("ckpt", step, a.ckpt_step):
             checkpoint(rank, a.ckpt_s, self.state, a.ckpt_dir or tempfile.gettempdir())
         if step == a.batch_change_step:
             say(f"rank {rank}: batch x {a.batch_factor:g} from step {step} t {now()}")
-        if step == a.io_step and rank == a.io_rank:
+        if rank == a.io_rank and self.gate.due("io", step, a.io_step):
             say(f"rank {rank}: reading {a.io_path} at step {step} t {now()}")
             try:
                 with open(a.io_path, "rb") as f:

@@ -11,11 +11,15 @@ phase's, what came after is the fault's (a false finding there counts against th
 Onsets are Unix seconds: the workload's own "... t UNIX" line, or the moment the injector acted.
 
 Timing: faults that rely on a baseline come after healthy running (hangs >= HANG_BASELINE_S,
-slowdowns >= SLOW_BASELINE_S); faults that the workloads inject at a step are placed by the step
+slowdowns >= SLOW_BASELINE_S). A fault one rank injects is placed in time: the workload holds it
+until its --fault-file exists, and the harness creates the file that long after the first progress
+line (open_at), so the onset comes on time on a quiet box and a loaded one alike. Faults every rank
+takes part in (a pause, a batch change) and the data loader's stall act at a step placed by the step
 rates measured here (STEPS_PER_S, under `ccld run` on this 2-vCPU box) times RATE_MARGIN, so a
-quieter box still runs that long first. `Result.baseline_s` is what it really ran before the onset.
-Budget on 2 vCPUs: a 4-rank torchrun starts in ~10-15 s; hang scenarios take ~45-75 s in all,
-slowdowns ~100-140 s.
+quieter box still runs that long first (a loaded one longer). `Result.baseline_s` is what it really
+ran before the onset. bench/accuracy.py runs these same functions, so what is said here holds there.
+Budget on 2 vCPUs: a 4-rank torchrun starts in ~10-15 s, `ccld run` stops in ~7 s (detaching ~44
+uprobes, ~0.1 s each); hang scenarios take ~45-75 s in all, slowdowns ~90-110 s.
 """
 from __future__ import annotations
 
@@ -47,12 +51,8 @@ RATE_WINDOW_S = 20.0      # step rates (Result.notes["steps_per_s"]) are taken o
 RATE_MARGIN = 1.3         # a quieter box runs steps up to ~1.3x faster than STEPS_PER_S says
 STEPS_PER_S = {           # measured under `ccld run` here (2 vCPUs), with --progress-every lines
     "ddp-ops": 37.0,      # gloo_job --ops allreduce,broadcast,barrier --step-sleep-ms 10
-    "ddp-model": 30.0,    # gloo_job --ddp --step-sleep-ms 10
     "gpipe": 20.0,        # pipeline_job (4 stages, 4 micro-batches, GPipe, blocking p2p)
-    "1f1b": 22.0,         # pipeline_job --schedule 1f1b --p2p batch --pp-group own
-    "fsdp": 10.0,         # fsdp_job (4 layers)
-    "hybrid": 10.0,       # hybrid_job (8 ranks)
-}
+}                         # (1F1B ~22, FSDP ~10, hybrid ~10: their faults are placed in time)
 OPS = "allreduce,broadcast,barrier"
 OPS_PER_STEP = 3
 FIRST_SEQ = 1             # c10d's per-group seq starts at 1
@@ -346,6 +346,28 @@ def pin_with_hog(s: Session, rank: int, nproc: int, cpu: Optional[int] = None) -
     return hog
 
 
+def fault_file(s: Session, name: str) -> str:
+    """The --fault-file of a job (see open_at)."""
+    return os.path.join(s.tmp, f"{name}-fault-now")
+
+
+def open_at(j: Job, path: str, t: float) -> None:
+    """Let the job run until Unix time t, then create its --fault-file: the one-rank fault it holds acts
+    at its next step (its line gives the onset). In time rather than at a step from STEPS_PER_S x
+    RATE_MARGIN: that step came 20-50 % late (the margin, and a loaded box steps slower than
+    measured; slowdowns 70-95 s in instead of 60), each second of it a second of CI and of
+    bench/accuracy.py, for no more history than the detectors use."""
+    j.run_until(t)
+    open(path, "w").close()
+
+
+def begin_slowdown(j: Job, path: str, rank: int) -> float:
+    """Let the job run SLOW_BASELINE_S from its first progress line, then have `rank` slow down: the
+    onset, from its "slowed by" line."""
+    open_at(j, path, j.started_at() + SLOW_BASELINE_S)
+    return j.onset(rf"^rank {rank}: slowed by", 60)
+
+
 def stop_hog(hog: subprocess.Popen) -> None:
     if hog.poll() is None:
         hog.kill()
@@ -382,12 +404,14 @@ def stop_rank(s: Session, j: Job, rank: int) -> float:
 
 
 def checkpoint_then_kill(s: Session, rank: int = 2) -> Dict[str, Result]:
-    """Rank 0 writes checkpoints for 20 s while the others wait (healthy: at most an informational
-    pause), then, 10 s after, `rank` is SIGKILLed: fault, exactly that rank (not the ranks the
-    launcher stops after it)."""
-    ckpt_step = step_at(HANG_BASELINE_S, "ddp-ops")
-    j = s.job("ckpt-kill", "gloo_job.py", 4, *BARE, "--ckpt-rank", 0, "--ckpt-step", ckpt_step, "--ckpt-s", 20)
-    t_ckpt = j.onset(r"^rank 0: checkpointing for")
+    """Rank 0 writes checkpoints for 20 s from 20 s in while the others wait (healthy: at most an
+    informational pause), then, 10 s after, `rank` is SIGKILLed: fault, exactly that rank (not the
+    ranks the launcher stops after it)."""
+    go = fault_file(s, "ckpt-kill")
+    j = s.job("ckpt-kill", "gloo_job.py", 4, *BARE, "--ckpt-rank", 0, "--ckpt-step", 0, "--ckpt-s", 20,
+              "--fault-file", go)
+    open_at(j, go, j.started_at() + HANG_BASELINE_S)
+    t_ckpt = j.onset(r"^rank 0: checkpointing for", 60)
     t_done = j.onset(r"^rank 0: checkpoint done", 60)
     j.run_until(t_done + 10)
     os.kill(s.rank_pid(rank), signal.SIGKILL)
@@ -401,9 +425,11 @@ def checkpoint_then_kill(s: Session, rank: int = 2) -> Dict[str, Result]:
 
 def wrong_op(s: Session, rank: int = 1) -> Result:
     """A rank calls all_gather where the others all_reduce: inconsistent, that rank."""
-    step = step_at(HANG_BASELINE_S, "ddp-ops")
-    j = s.job("wrongop", "gloo_job.py", 4, *BARE, "--wrong-op-rank", rank, "--wrong-op-step", step)
-    onset = j.onset(rf"^rank {rank}: calling all_gather")
+    go = fault_file(s, "wrongop")
+    j = s.job("wrongop", "gloo_job.py", 4, *BARE, "--wrong-op-rank", rank, "--wrong-op-step", 0, "--fault-file", go)
+    open_at(j, go, j.started_at() + HANG_BASELINE_S)
+    m = j.wait(rf"^rank {rank}: calling all_gather instead of \w+ at step (\d+) t ([\d.]+)$", 60)
+    step, onset = int(m.group(1)), float(m.group(2))
     j.expect("inconsistent", onset, HANG_DEADLINE_S)
     j.stop()
     return j.result("all_gather vs all_reduce (DDP)", "inconsistent", [rank], onset,
@@ -415,9 +441,12 @@ def wrong_size(s: Session, rank: int = 1) -> Result:
     give every rank's tensor bytes). Gloo then aborts a rank that receives more bytes than it expects
     and the others fail: notes["aborted"] is the rank torchrun reports as the first failure, a
     consequence that must not be named instead."""
-    step = step_at(HANG_BASELINE_S, "ddp-ops")
-    j = s.job("wrongsize", "gloo_job.py", 4, *BARE, "--wrong-size-rank", rank, "--wrong-size-step", step)
-    onset = j.onset(rf"^rank {rank}: all_reduce of \d+ elements")
+    go = fault_file(s, "wrongsize")
+    j = s.job("wrongsize", "gloo_job.py", 4, *BARE, "--wrong-size-rank", rank, "--wrong-size-step", 0,
+              "--fault-file", go)
+    open_at(j, go, j.started_at() + HANG_BASELINE_S)
+    m = j.wait(rf"^rank {rank}: all_reduce of \d+ elements instead of \d+ at step (\d+) t ([\d.]+)$", 60)
+    step, onset = int(m.group(1)), float(m.group(2))
     j.expect("inconsistent", onset, HANG_DEADLINE_S)
     try:
         j.p.wait(30)  # the job fails by itself: torchrun's summary names the first rank that died
@@ -433,21 +462,23 @@ def wrong_size(s: Session, rank: int = 1) -> Result:
 def subgroup_deadlock(s: Session) -> Result:
     """Two subgroups of ranks 0 and 1, taken in opposite orders by the two ranks at one step; ranks
     2 and 3 then wait in the default group. Culprits: 0 and 1 (each waits for the other)."""
-    step = step_at(HANG_BASELINE_S, "ddp-ops")
+    go = fault_file(s, "deadlock")
     j = s.job("deadlock", "gloo_job.py", 4, "--steps", 100000, "--ops", "allreduce,broadcast", "--step-sleep-ms", 10,
-              "--progress-every", 50, "--deadlock-step", step)
-    onset = j.onset(r"^rank 1: taking the subgroups in the opposite order")
+              "--progress-every", 50, "--deadlock-step", 0, "--fault-file", go)
+    open_at(j, go, j.started_at() + HANG_BASELINE_S)
+    onset = j.onset(r"^rank 1: taking the subgroups in the opposite order", 60)
     j.expect("not-entered", onset, HANG_DEADLINE_S)
     j.stop()
     return j.result("subgroups deadlocked (DDP)", "not-entered", [0, 1], onset)
 
 
 def slow_then_stop(s: Session, rank: int = 2, ms: float = 40, stopped: int = 1) -> Dict[str, Result]:
-    """A rank computes `ms` more every step (after >= 60 s), in a DDP model: comp-slow, that rank;
+    """A rank computes `ms` more every step (after 60 s), in a DDP model: comp-slow, that rank;
     then (once found, or its deadline passed) another rank is SIGSTOPped: fault, that rank."""
-    j = s.job("slow-stop", "gloo_job.py", 4, "--steps", 1000000, "--ddp", "--step-sleep-ms", 10, "--progress-every", 100,
-              "--slow-rank", rank, "--slow-ms", ms, "--slow-step", step_at(SLOW_BASELINE_S, "ddp-model"))
-    onset = j.onset(rf"^rank {rank}: slowed by", START_TIMEOUT_S + SLOW_BASELINE_S * RATE_MARGIN)
+    go = fault_file(s, "slow-stop")
+    j = s.job("slow-stop", "gloo_job.py", 4, "--steps", 1000000, "--ddp", "--step-sleep-ms", 10, "--progress-every", 20,
+              "--slow-rank", rank, "--slow-ms", ms, "--fault-file", go)
+    onset = begin_slowdown(j, go, rank)
     j.expect("comp-slow", onset, SLOW_DEADLINE_S)
     t_stop = stop_rank(s, j, stopped)
     j.stop()

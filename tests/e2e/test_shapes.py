@@ -9,7 +9,9 @@ Scenarios that share a job (a healthy phase, then a fault) are run once for all 
 test that needs the job runs it, the others read its results. A failure message is the report a
 person fixing detection needs: what was expected, the first finding, the latency, the false ones,
 the lines ccld printed. bench/accuracy.py runs the same registry N times and scores it.
-Budget on 2 vCPUs: ~24 minutes for every ci scenario (measured; see bench/RESULTS.md's accuracy section).
+Budget on 2 vCPUs: ~22-26 minutes for every ci scenario (26 on a box shared with another test run,
+2026-12-07; faults are placed in time, fault_scenarios.open_at, so a loaded box no longer stretches
+their baselines; see bench/RESULTS.md's accuracy section).
 """
 import contextlib
 import fcntl
