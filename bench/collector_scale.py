@@ -225,7 +225,7 @@ def ingest_cpu(frames: List[bytes], cprofile: bool = False) -> Dict[str, Any]:
         if prof is not None:
             import pstats
             prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+            pstats.Stats(prof).sort_stats(os.environ.get("CCLD_PROFILE_SORT", "tottime")).print_stats(30)
         events = sum(col.timeline.events_by_kind.values()) - e0
         rejected = sum(col.counters.frames_rejected.values())
     finally:

@@ -7,6 +7,10 @@ earlier rounds filled (programs loaded from it). The delay is the command's own 
 the time just before `ccld run` was executed (both CLOCK_REALTIME on this machine); the total is
 until `ccld run` exited. Resident memory: `ccld run -- sleep S` (warm cache), VmRSS of ccld's
 process (collector and agent together, as `ccld run` runs them) once the job has run a second.
+Stop: `ccld run` of a one-rank gloo job (torch, so the gloo family's uprobes sit on libtorch_cpu)
+that prints its clock as it ends; the time from that to `ccld run`'s exit, with the uprobes held by
+uprobe_multi links (kernel 6.6+, the default) and by one perf event each (CCLD_UPROBE_MULTI=0, as on
+older kernels), alternating.
 Writes the `startup` section of bench/RESULTS.md with --write-results (as root).
 
   .venv/bin/python bench/startup.py [--rounds 5] [--write-results]
@@ -34,12 +38,33 @@ def one_start(cache: str) -> tuple:
     out = subprocess.run([CCLD, "run", "--", "sh", "-c", "date +CMDSTART%s.%N"], env=env,
                          capture_output=True, text=True, timeout=600)
     t1 = time.time()
+    return stamp(out, "CMDSTART", "the command") - t0, t1 - t0
+
+
+def stamp(out: subprocess.CompletedProcess, prefix: str, what: str) -> float:
+    """The time `what` printed after `prefix` in a `ccld run`'s output; the run failing, an error."""
     if out.returncode != 0:
-        raise SystemExit(f"startup: ccld run failed ({out.returncode}): {out.stderr.strip()[-800:]}")
-    stamp = [w for w in out.stdout.split() + out.stderr.split() if w.startswith("CMDSTART")]
-    if not stamp:
-        raise SystemExit(f"startup: the command's time stamp is missing from ccld run's output:\n{out.stdout}")
-    return float(stamp[0][len("CMDSTART"):]) - t0, t1 - t0
+        raise SystemExit(f"startup: ccld run of {what} failed ({out.returncode}): {out.stderr.strip()[-800:]}")
+    words = [w for w in out.stdout.split() + out.stderr.split() if w.startswith(prefix)]
+    if not words:
+        raise SystemExit(f"startup: {what}'s time stamp is missing from ccld run's output:\n{out.stdout}")
+    return float(words[0][len(prefix):])
+
+
+GLOO_JOB = ("import sys, time, torch, torch.distributed as d; "
+            "d.init_process_group('gloo', init_method='file://' + sys.argv[1], rank=0, world_size=1); "
+            "d.all_reduce(torch.ones(4)); d.destroy_process_group(); print('JOBEND%.6f' % time.time(), flush=True)")
+
+
+def one_stop(cache: str, multi: bool) -> float:
+    """Seconds from a gloo job's end to `ccld run`'s exit (its probes detached, its outputs closed)."""
+    env = dict(os.environ, CCLD_BPF_CACHE=cache, CCLD_UPROBE_MULTI="1" if multi else "0",
+               RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # a rank to the agent (discover.py)
+    with tempfile.TemporaryDirectory(prefix="ccld-stop-") as tmp:
+        out = subprocess.run([CCLD, "run", "--", sys.executable, "-c", GLOO_JOB, os.path.join(tmp, "rdv")],
+                             env=env, capture_output=True, text=True, timeout=600)
+        t1 = time.time()
+    return t1 - stamp(out, "JOBEND", "the gloo job")
 
 
 def rss_mib(cache: str, seconds: float = 3.0) -> float:
@@ -77,6 +102,12 @@ def main() -> None:
             print(f"startup: round {i + 1}: cold {cold[-1][0]:.2f} s to the command, warm {warm[-1][0]:.2f} s",
                   flush=True)
         rss = rss_mib(warm_dir)
+        stops: dict = {True: [], False: []}
+        for i in range(args.rounds):
+            for multi in (True, False):
+                stops[multi].append(one_stop(warm_dir, multi))
+            print(f"startup: round {i + 1}: stop {stops[True][-1]:.2f} s with uprobe_multi links, "
+                  f"{stops[False][-1]:.2f} s with perf events", flush=True)
     finally:
         shutil.rmtree(warm_dir, ignore_errors=True)
 
@@ -99,6 +130,14 @@ def main() -> None:
         "",
         f"Resident memory of `ccld run`'s own process (collector and agent in one process, every family "
         f"loaded, a job running): {rss:.0f} MiB. Goal: <= 0.5 s before the job starts (warm).",
+        "",
+        "Stop: from a one-rank gloo job's end to `ccld run`'s exit (the gloo family's uprobes on "
+        "libtorch_cpu detached on the way), warm cache, median (min-max):",
+        "",
+        "| uprobes held by | stop |",
+        "|---|---:|",
+        f"| uprobe_multi links (kernel 6.6+, default) | {cell(stops[True])} |",
+        f"| a perf event each (CCLD_UPROBE_MULTI=0; older kernels) | {cell(stops[False])} |",
     ])
     print(body)
     if args.write_results:

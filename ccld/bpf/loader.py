@@ -25,7 +25,7 @@ from ccld.errors import EnvironmentProblem
 
 log = logging.getLogger("ccld.bpf")
 BPF_DIR = os.path.dirname(os.path.abspath(__file__))
-DETACH_THREADS = 8  # uprobe perf-event closes in flight at once; parallel closes save ~25 %
+DETACH_THREADS = 8  # uprobe links (or perf events) closed at once: perf events' closes save ~25 % so
 COMPILE_CHILDREN = 4  # a cold start's compile children at most (one per CPU): clang is CPU-bound
 
 
@@ -46,7 +46,7 @@ class Attachment:
     pid: int
     lib: str
     points: List[Tuple[str, int]] = field(default_factory=list)  # (symbol, address)
-    events: List[int] = field(default_factory=list)              # our uprobes' perf event fds
+    events: List[int] = field(default_factory=list)              # fds holding our uprobes (links or perf events)
     missing: List[str] = field(default_factory=list)             # optional prefixes not found
     ret_points: List[Tuple[str, int]] = field(default_factory=list)  # (symbol, address) of uretprobes
     config: Dict[str, Any] = field(default_factory=dict)             # what the family read off the library
@@ -330,27 +330,28 @@ class Family:
             raise EnvironmentProblem(f"{self.NAME}: {os.path.basename(lib)} lacks {sorted(lacking)}",
                                      "this library version is not supported yet")
         att = Attachment(-1, lib, missing=list(missing))
+        probed = []
+        for sym, addr, probe in points:
+            if not probe.fn:
+                att.symbols[sym] = addr
+                continue
+            probed.append((addr, probe.fn, probe.ret))
+            (att.ret_points if probe.ret else att.points).append((sym, addr))
         try:
-            for sym, addr, probe in points:
-                if not probe.fn:
-                    att.symbols[sym] = addr
-                    continue
-                att.events.append(self.bpf.attach_uprobe(lib, addr, probe.fn, retprobe=probe.ret))
-                (att.ret_points if probe.ret else att.points).append((sym, addr))
+            att.events = self.bpf.attach_uprobes(lib, probed)  # all or none
         except Exception as e:
-            self._detach_events(att.events)
             hint = ("let the other tracer detach, or stop it, then restart the rank's tracing"
                     if "ref_ctr_offset" in str(e) else "is the library readable, and are you root?")
-            raise EnvironmentProblem(f"{self.NAME}: attaching to {lib} failed after "
-                                     f"{len(att.points) + len(att.ret_points)} probes: {e}", hint)
+            raise EnvironmentProblem(f"{self.NAME}: attaching {len(probed)} probes to {lib} failed: {e}", hint)
         return att
 
     def _detach_events(self, fds: List[int]) -> None:
-        """Close our uprobe perf events (a few threads at once; the kernel serialises most of it).
+        """Close our uprobe links or perf events (a few threads at once).
 
-        Each close unregisters a uprobe (~80-110 ms here), which is why probes are per library, not
-        per process, and only closed when the family closes. They come from the perf uprobe PMU, so
-        closing the fd removes them; tracefs is not touched."""
+        A uprobe_multi link holds one function's probes and closes in one grace period (~20 ms); a
+        perf event holds one probe and each close waits its own (~80-110 ms here, the kernel serialises
+        most of it): that is why probes are per library, not per process, and only closed when the
+        family closes. Closing the fd removes the probes; tracefs is not touched."""
         if not fds:
             return
         with concurrent.futures.ThreadPoolExecutor(min(DETACH_THREADS, len(fds))) as pool:

@@ -5,9 +5,10 @@ Program(spec) creates the maps and writes their fds into the instructions (the 6
 loads progcache found); a function is loaded when it is first attached, with the program type its
 attach point needs (a uprobe's is BPF_PROG_TYPE_KPROBE, a tracepoint's BPF_PROG_TYPE_TRACEPOINT).
 bcc's TRACEPOINT_PROBE(cat, name) functions, named tracepoint__cat__name, attach when the program
-is made, as bcc attaches them. Uprobes go through the uprobe PMU at a file offset (elfcode.py turns
-a symbol's address into one); closing the perf event removes the probe, so close_events() is all a
-detach is, and it may run on several threads at once (the kernel does most of each close alone).
+is made, as bcc attaches them. Uprobes sit at file offsets (elfcode.py turns a symbol's address into
+one): one uprobe_multi link per function where the kernel has them (its functions are then loaded for
+them), else a perf event of the uprobe PMU per offset (sysbpf). Closing the link or event removes the
+probes, so close_events() is all a detach is, and it may run on several threads at once.
 close() closes every event, function and map (idempotent; also at exit).
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import base64
 import os
 import struct
 import threading
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 from ccld.bpf import elfcode, sysbpf
 from ccld.bpf.maps import Map
@@ -88,8 +89,10 @@ class Program:
                 return self.funcs[name]
             if name not in self._code:
                 raise KeyError(f"no function {name} in the program")
-            fn = self.funcs[name] = Function(name, sysbpf.prog_load(prog_type, self._code[name], self.license,
-                                                                    self.kern_version, name))
+            multi = prog_type == sysbpf.BPF_PROG_TYPE_KPROBE and sysbpf.has_uprobe_multi()  # uprobes: links
+            fn = self.funcs[name] = Function(name, sysbpf.prog_load(
+                prog_type, self._code[name], self.license, self.kern_version, name,
+                sysbpf.BPF_TRACE_UPROBE_MULTI if multi else 0))
             return fn
 
     # -- attach points -----------------------------------------------------------------------
@@ -99,20 +102,44 @@ class Program:
         except BaseException:
             os.close(perf_fd)
             raise
+        return self._keep(perf_fd)
+
+    def _keep(self, fd: int) -> int:
+        """Count `fd` (a perf event or link) among ours: close_events() and close() close it."""
         with self._lock:
-            self._events.append(perf_fd)
-        return perf_fd
+            self._events.append(fd)
+        return fd
 
     def attach_tracepoint(self, category: str, event: str, fn_name: str) -> int:
         fn = self.load_func(fn_name, sysbpf.BPF_PROG_TYPE_TRACEPOINT)
         return self._attach(sysbpf.tracepoint_event(category, event), fn.fd)
 
+    def attach_uprobes(self, path: str, points: Sequence[Tuple[int, str, bool]], pid: int = -1) -> List[int]:
+        """Uprobes on `path`, for every process (pid -1) or one: each point (symbol address st_value,
+        function to run, whether a return probe). Returns the fds that hold them: where the kernel has
+        uprobe_multi, one link per (function, return or not); else one perf event per point.
+        close_events() of those fds detaches them; if one attach fails, the ones made are closed."""
+        multi = sysbpf.has_uprobe_multi()
+        groups: Dict[Tuple[str, bool], List[int]] = {}
+        for addr, fn_name, ret in points:
+            groups.setdefault((fn_name, ret), []).append(elfcode.file_offset(path, addr))
+        made: List[int] = []
+        try:
+            for (fn_name, ret), offsets in groups.items():
+                fd = self.load_func(fn_name, sysbpf.BPF_PROG_TYPE_KPROBE).fd
+                if multi:
+                    made.append(self._keep(sysbpf.uprobe_multi(fd, path, offsets, ret, pid)))
+                    continue
+                for offset in offsets:
+                    made.append(self._attach(sysbpf.uprobe_event(path, offset, ret, pid), fd))
+        except BaseException:
+            self.close_events(made)
+            raise
+        return made
+
     def attach_uprobe(self, path: str, addr: int, fn_name: str, retprobe: bool = False, pid: int = -1) -> int:
-        """A uprobe (uretprobe) on `path` at symbol address `addr` (st_value) running `fn_name`, for
-        every process (pid -1) or one. Returns the perf event's fd: close_events() detaches it."""
-        fn = self.load_func(fn_name, sysbpf.BPF_PROG_TYPE_KPROBE)
-        offset = elfcode.file_offset(path, addr)
-        return self._attach(sysbpf.uprobe_event(path, offset, retprobe, pid), fn.fd)
+        """One uprobe (uretprobe) on `path` at symbol address `addr`: attach_uprobes of one point."""
+        return self.attach_uprobes(path, [(addr, fn_name, retprobe)], pid)[0]
 
     def close_events(self, fds: Iterable[int], pool=None) -> None:
         """Detach the events `fds` (of this program), on `pool` (an Executor) when given."""

@@ -250,7 +250,9 @@ class Agent:
         if self.discover_all:
             return set(discover.all_pids())
         roots = ([self.root_pid] if self.root_pid is not None else []) + list(self.pids)
-        return set(self.pids) | self._tree.descendants(roots, discover.list_pids())
+        # The command `ccld run` started is a candidate too: `ccld run -- python train.py` of a rank
+        # whose RANK and WORLD_SIZE a launcher set (a torchrun command is no rank and is left out)
+        return set(roots) | self._tree.descendants(roots, discover.list_pids())
 
     def _scan(self, now: float) -> None:
         cands = self._candidates()
@@ -258,7 +260,7 @@ class Agent:
             key = (pid, discover._cmdline(pid))
             if key in self._not_ranks:
                 continue
-            ident = discover.identify(pid)
+            ident = discover.identify(pid, launched=pid == self.root_pid)
             if ident is None:
                 if len(self._not_ranks) >= NEG_CACHE_LIMIT:
                     self._not_ranks.clear()

@@ -23,7 +23,7 @@ import numpy
 import pytest
 
 from conftest import ROOT
-from ccld.bpf import elfcode, elfsyms
+from ccld.bpf import elfcode, elfsyms, sysbpf
 from ccld.bpf.program import Program
 
 pytestmark = pytest.mark.bpf
@@ -126,25 +126,62 @@ def counting_program():
             "functions": [{"name": "count", "code": base64.b64encode(code).decode(), "relocs": [[0, "hits"]]}]}
 
 
-def test_a_probe_at_a_file_offset_fires_once_per_call(need_bpf):
+@pytest.fixture(params=["uprobe_multi", "perf events"])
+def uprobe_mode(request, monkeypatch):
+    """Both ways a uprobe is attached: links (this kernel, 6.6+) and perf events (older kernels)."""
+    multi = request.param == "uprobe_multi"
+    if multi:
+        assert sysbpf.has_uprobe_multi(), "this kernel (6.6+) has uprobe_multi links: the feature probe says no"
+    monkeypatch.setattr(sysbpf, "_multi", multi)
+    return multi
+
+
+def test_the_uprobe_multi_probe_heeds_its_switch(need_bpf, monkeypatch):
+    monkeypatch.setattr(sysbpf, "_multi", None)
+    monkeypatch.setenv("CCLD_UPROBE_MULTI", "0")
+    assert sysbpf.has_uprobe_multi() is False
+    monkeypatch.setattr(sysbpf, "_multi", None)
+    monkeypatch.delenv("CCLD_UPROBE_MULTI")
+    assert sysbpf.has_uprobe_multi() is True  # kernel 6.18
+
+
+def test_a_probe_at_a_file_offset_fires_once_per_call(need_bpf, uprobe_mode):
     lib = openblas()
-    fn = "scipy_openblas_get_num_threads64_"
-    (addr,) = {a for n, a in elfsyms.functions(lib, f"^{fn}$")}
-    assert elfcode.file_offset(lib, addr) != addr  # the case a wrong conversion would miss
+    fns = ["scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_procs64_"]
+    addrs = []
+    for fn in fns:
+        (addr,) = {a for n, a in elfsyms.functions(lib, f"^{fn}$")}
+        assert elfcode.file_offset(lib, addr) != addr  # the case a wrong conversion would miss
+        addrs.append(addr)
+    calls = "; ".join(f"[lib.{fn}() for _ in range({CALLS})]" for fn in fns)
     caller = (f"import ctypes, sys; lib = ctypes.CDLL({lib!r}); sys.stdout.write('1\\n'); sys.stdout.flush(); "
-              f"sys.stdin.readline(); [lib.{fn}() for _ in range({CALLS})]")
+              f"sys.stdin.readline(); {calls}")
     job = subprocess.Popen([sys.executable, "-c", caller], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     prog = Program(counting_program())
     try:
         job.stdout.readline()
-        fd = prog.attach_uprobe(lib, addr, "count", pid=job.pid)
-        assert prog.funcs["count"].fd >= 0 and fd >= 0
+        fds = prog.attach_uprobes(lib, [(a, "count", False) for a in addrs], pid=job.pid)
+        assert prog.funcs["count"].fd >= 0
+        assert len(fds) == (1 if uprobe_mode else 2)  # one link holds both offsets; a perf event each
         job.communicate("go\n", timeout=60)
         assert job.returncode == 0
-        assert prog[b"hits"][ct.c_int(0)].value == CALLS
-        prog.close_events([fd])
+        assert prog[b"hits"][ct.c_int(0)].value == 2 * CALLS
+        prog.close_events(fds)
+        assert prog._events == []
     finally:
         job.kill()
         prog.close()
     prog.close()  # idempotent
     assert prog.funcs == {}
+
+
+def test_a_failed_attach_leaves_no_probe_behind(need_bpf, uprobe_mode):
+    lib = openblas()
+    (addr,) = {a for n, a in elfsyms.functions(lib, "^scipy_openblas_get_num_threads64_$")}
+    prog = Program(counting_program())
+    try:
+        with pytest.raises(KeyError):  # the second function does not exist: the first's probe goes too
+            prog.attach_uprobes(lib, [(addr, "count", False), (addr, "nosuch", False)])
+        assert prog._events == []
+    finally:
+        prog.close()

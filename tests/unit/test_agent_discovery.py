@@ -90,6 +90,45 @@ def test_ranks_appear_exit_and_come_back_and_forks_are_not_ranks():
         sink.close()
 
 
+def test_the_command_ccld_run_started_is_a_rank_even_when_its_launcher_set_the_same_rank():
+    # `srun ccld run -- python train.py`: the launcher set RANK for ccld run as well, so the command's
+    # parent holds the command's RANK, which elsewhere marks a worker forked by a rank. The command
+    # itself (the agent's root) is a rank; what it forks (FORK=1) still is not.
+    sink = Sink()
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29998", FORK="1")
+    outer = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                              "subprocess.Popen([sys.executable, '-c', sys.argv[1]]).wait()", RANK_SRC], env=env)
+    agent = None
+    try:
+        root = None
+        for _ in range(100):
+            with open(f"/proc/{outer.pid}/task/{outer.pid}/children") as f:
+                kids = f.read().split()
+            if kids:
+                root = int(kids[0])
+                break
+            time.sleep(0.05)
+        assert root is not None, "the launcher stand-in started no command"
+        assert discover.identify(root) is None  # the parent's same RANK: read as a forked worker ...
+        agent = Agent(sink.endpoint, root_pid=root, use_bpf=False, say=lambda s: None)
+        agent.start()
+        assert sink.wait(lambda es: of(es, "rank"))  # ... but as ccld run's command it is the rank
+        time.sleep(1.0)
+        sink.drain(0.5)
+        assert [e.pid for e in of(sink.events, "rank")] == [root]  # its fork is not
+    finally:
+        if agent is not None:
+            agent.stop()
+        for pid in discover.descendants(outer.pid):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        outer.kill()
+        sink.close()
+
+
 def test_identify_skips_processes_without_a_rank():
     assert discover.identify(os.getpid()) is None or "RANK" in os.environ
     assert discover.identify(999999999) is None
