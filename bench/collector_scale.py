@@ -2,7 +2,9 @@
 reaches the timeline, how much memory it holds per rank, and what a diagnosis tick costs.
 
 Simulated agents: SENDERS processes, each playing a share of the job's nodes (RANKS_PER_NODE ranks and
-one agent id per node), every node sending a frame each 100 ms that it has events, else a heartbeat
+one agent id per node), every node sending a frame each 250 ms that it has events (the agent drains its
+ring buffers every POLL_MS = 250 ms and sends a frame per drain; --frame-ms 100 for the shape before
+that period moved from 100 ms), else a heartbeat
 frame (its clock sample alone) once a second, as the real shipper does, with the
 events of the collectives its ranks did in that interval: the world communicator at --rate collectives
 per second plus one collective of the node's own 8-rank group per world collective, each rank
@@ -42,12 +44,20 @@ import psutil  # noqa: E402
 import zmq  # noqa: E402
 
 from ccld import wire as ev  # noqa: E402
+from ccld.tracer.agent import POLL_MS  # noqa: E402
 from results import write_section  # noqa: E402
 
 RANKS_PER_NODE = 8
 SENDERS = 4
-FRAME_S = 0.1          # the shipper's batch period (tracer/shipper.py FLUSH_INTERVAL_MS) ...
-HEARTBEAT_TICKS = 10   # ... and with nothing to send, its heartbeat frame once a second (HEARTBEAT_S)
+FRAME_S = POLL_MS / 1000  # a frame per drain of the agent's ring buffers (tracer/agent.py; --frame-ms) ...
+HEARTBEAT_TICKS = round(1 / FRAME_S)  # ... and with nothing to send, a heartbeat frame once a second (HEARTBEAT_S)
+
+
+def set_frame_ms(ms: float) -> None:
+    """Frames every `ms` (and the heartbeat every second at that tick)."""
+    global FRAME_S, HEARTBEAT_TICKS
+    FRAME_S = ms / 1000
+    HEARTBEAT_TICKS = max(1, round(1 / FRAME_S))
 JOB = "scale:29500"
 
 
@@ -67,7 +77,7 @@ def _packed(values: List[int]) -> bytes:
 
 def node_frame(n: int, world: int, seqs: List[int], now_ns: int, wall_ns: int, first: bool, columns: bool,
                rnd: random.Random, batch: int, beat: bool, only: str = "") -> Any:
-    """(frame, events in it) of node n for one 100 ms interval in which collectives `seqs` of the world
+    """(frame, events in it) of node n for one FRAME_S interval in which collectives `seqs` of the world
     completed; None when it has nothing to send and no heartbeat is due (`beat`). `only` "world" or
     "group": the events of that communicator alone (a node sending each communicator to its own
     collector: split_work.py)."""
@@ -283,7 +293,8 @@ def run(ranks: int, seconds: float, rate: float, columns: bool = True, drain_s: 
     share = [list(range(i, nodes, SENDERS)) for i in range(SENDERS)]
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--sender", col.endpoint, "--index", str(i),
                                "--nodes", ",".join(map(str, share[i])), "--world", str(ranks), "--rate", str(rate),
-                               "--seconds", str(seconds)] + ([] if columns else ["--rows"]),
+                               "--seconds", str(seconds), "--frame-ms", f"{FRAME_S * 1000:g}"]
+                              + ([] if columns else ["--rows"]),
                               stdout=subprocess.PIPE, text=True)
              for i in range(SENDERS) if share[i]]
     t0 = time.monotonic()
@@ -339,7 +350,7 @@ def keeps_up(r: Dict[str, Any]) -> bool:
 def write_results(rows: List[Dict[str, Any]], cmd: str) -> None:
     lines = []
     for r in rows:
-        lines.append(f"| {r['ranks']:,} | {r['rate']:g} | {'blocks' if r['columns'] else 'maps'} | "
+        lines.append(f"| {r['ranks']:,} | {r['rate']:g} | {'table' if r['columns'] else 'maps'} | "
                      f"{r['intended_per_s']:,.0f} | {r['offered_per_s']:,.0f}{' (senders behind)' if r['senders_behind'] else ''} | "
                      f"{r['ingest_per_s']:,.0f} | "
                      f"{(r['ingest_per_thread_cpu_s'] or 0):,.0f} | {(r['ingest_per_cpu_s'] or 0):,.0f} | "
@@ -354,12 +365,12 @@ def write_results(rows: List[Dict[str, Any]], cmd: str) -> None:
     body = f"""### Collector at scale: simulated agents for {sizes[0]:,} to {sizes[-1]:,} ranks
 
 `{cmd}` as root on {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}. {SENDERS} sender processes play the nodes
-({RANKS_PER_NODE} ranks and one agent each; as the shipper does, a frame every 100 ms in which a node has
+({RANKS_PER_NODE} ranks and one agent each; as the agent does, a frame every {FRAME_S * 1000:g} ms in which a node has
 events, else a heartbeat frame once a second); the job does `rate` world
 all-reduces a second plus one 8-rank-group collective per node each time, every rank entering (ring-ordered
 arrivals with noise), starting and ending each; {r0['seconds']:g} s of sending, then the collector drains what
-is queued. Collector in this process, storing to disk. Frames: collective events as column blocks
-(schema 1.8, packed int columns, what agents send) or one map per event (the old shape, for the ratio). Ingest thread: events
+is queued. Collector in this process, storing to disk. Frames: collective events as one table a frame
+(schema 1.9, packed int columns, what agents send) or one map per event (the old shape, for the ratio). Ingest thread: events
 per CPU-second of the collector's ingest thread alone (decode, store, timeline: the one core the goal
 speaks of); process: all of the collector's threads. Latency: frame built -> its events in the timeline.
 
@@ -404,11 +415,14 @@ def main() -> None:
                     help="no senders: the ingest path alone, in-process, on the frames --seconds of the job would send "
                          "(every size at every rate; events per CPU-s and us per frame)")
     ap.add_argument("--cprofile", action="store_true", help="with --profile-ingest: print cProfile's top functions")
+    ap.add_argument("--frame-ms", type=float, default=POLL_MS,
+                    help=f"a node's frame period (default {POLL_MS}: the agent's drain period; 100 before it moved)")
     ap.add_argument("--sender", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--nodes", default="", help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    set_frame_ms(a.frame_ms)
     if a.sender:
         sender(a.sender, a.index, [int(x) for x in a.nodes.split(",") if x], a.world, a.rate, a.seconds,
                columns=not a.rows)
@@ -437,7 +451,8 @@ def main() -> None:
                       + (f" --rate {a.rate:g}" if a.rate != 2 and not a.rates else "")
                       + (f" --rates {a.rates}" if a.rates else "")
                       + (f" --compare-rate {a.compare_rate:g}" if a.compare_rate else "")
-                      + (f" --drain-s {a.drain_s:g}" if a.drain_s != 120 else "") + " --write-results")
+                      + (f" --drain-s {a.drain_s:g}" if a.drain_s != 120 else "")
+                      + (f" --frame-ms {a.frame_ms:g}" if a.frame_ms != POLL_MS else "") + " --write-results")
 
 
 if __name__ == "__main__":
