@@ -152,8 +152,10 @@ def sender(endpoint: str, index: int, nodes: List[int], world: int, rate: float,
         # Collectives completed in this interval (a fraction carries over via the accumulator).
         seqs = due(time.monotonic() - t_start, rate, seq_world)
         seq_world += len(seqs)
-        now_ns, wall_ns = time.monotonic_ns(), time.time_ns()
         for n in nodes:
+            # each frame's clock sample when it is built, as an agent's: not when this sender's tick began
+            # (a sender builds a frame for each of its ~128 nodes in turn; no agent waits for another's)
+            now_ns, wall_ns = time.monotonic_ns(), time.time_ns()
             got = node_frame(n, world, seqs, now_ns, wall_ns, tick == 0, columns, rnd, batch_no[n] + 1,
                              tick % HEARTBEAT_TICKS == 0)
             if got is None:

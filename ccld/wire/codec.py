@@ -198,6 +198,8 @@ def decode_batch(frame: bytes) -> Batch:
 def peek_resend(frame: bytes) -> Optional[Tuple[str, int]]:
     """(agent, batch) of a frame marked "resend", from the envelope keys before "events"; None when it
     is not marked (or is not an envelope). Never raises."""
+    if type(frame) is bytes and b"resend" not in frame:
+        return None  # the key is not there, however encoded: not marked (a search in C, no Unpacker)
     for data in (frame[:PEEK_BYTES], frame) if len(frame) > PEEK_BYTES else (frame,):
         u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
         u.feed(data)

@@ -51,6 +51,12 @@ def test_peek_reads_only_marked_envelopes():
     for junk in (b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"resend": True, "agent": 1, "batch": 2}),
                  frame("a", 7)[:20]):
         assert ev.peek_resend(junk) is None
+    # the key spelled as str8 rather than fixstr (another encoder may): still found past the quick search
+    str8 = frame("a", 5).replace(b"\xa6resend", b"\xd9\x06resend")
+    assert str8 != frame("a", 5) and ev.peek_resend(str8) == ("a", 5)
+    # "resend" inside the data of an unmarked frame: the quick search passes it to the full reading
+    tricky = msgpack.packb({"v": [1, 4], "agent": "resend", "node": "n", "batch": 3, "events": []})
+    assert ev.peek_resend(tricky) is None
 
 
 def test_resent_frames_are_dropped_and_acks_wait_for_the_store():
