@@ -28,6 +28,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, ROOT)
 CCLD = os.path.join(ROOT, ".venv", "bin", "ccld")
 
 
@@ -58,10 +59,10 @@ GLOO_JOB = ("import sys, time, torch, torch.distributed as d; "
 
 def one_stop(cache: str, multi: bool) -> float:
     """Seconds from a gloo job's end to `ccld run`'s exit (its probes detached, its outputs closed)."""
-    env = dict(os.environ, CCLD_BPF_CACHE=cache, CCLD_UPROBE_MULTI="1" if multi else "0",
-               RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # a rank to the agent (discover.py)
-    with tempfile.TemporaryDirectory(prefix="ccld-stop-") as tmp:
-        out = subprocess.run([CCLD, "run", "--", sys.executable, "-c", GLOO_JOB, os.path.join(tmp, "rdv")],
+    env = dict(os.environ, CCLD_BPF_CACHE=cache, CCLD_UPROBE_MULTI="1" if multi else "0")
+    with tempfile.TemporaryDirectory(prefix="ccld-stop-") as tmp:  # the command's RANK makes it a rank
+        out = subprocess.run([CCLD, "run", "--", "env", "RANK=0", "WORLD_SIZE=1", "LOCAL_RANK=0", sys.executable,
+                              "-c", GLOO_JOB, os.path.join(tmp, "rdv")],
                              env=env, capture_output=True, text=True, timeout=600)
         t1 = time.time()
     return t1 - stamp(out, "JOBEND", "the gloo job")
@@ -102,6 +103,9 @@ def main() -> None:
             print(f"startup: round {i + 1}: cold {cold[-1][0]:.2f} s to the command, warm {warm[-1][0]:.2f} s",
                   flush=True)
         rss = rss_mib(warm_dir)
+        from ccld.bpf import sysbpf
+        if not sysbpf.has_uprobe_multi():  # CCLD_UPROBE_MULTI=1 would fall back to perf events unsaid
+            raise SystemExit("startup: this kernel has no uprobe_multi links (6.6+): the stop rows compare them")
         stops: dict = {True: [], False: []}
         for i in range(args.rounds):
             for multi in (True, False):

@@ -95,6 +95,7 @@ class Diagnoser:
         self._comm_slow_since: Dict[Tuple, float] = {}  # comm-slow findings being held: since when
         self._activity = activity.Activity()
         self._aftermath = linkfaults.Aftermath()  # a link fault's rank that then exits: that fault's consequence
+        self._lossy = linkfaults.LossyHold()  # a wait on a link lossy before it: held, unless shown already
         self._pass: Optional[Tuple[float, List[Finding]]] = None  # hang.check_all of the latest `now`
 
     def _hang_pass(self, now: float) -> List[Finding]:
@@ -116,8 +117,7 @@ class Diagnoser:
         incs = self.find_inconsistent(now)
         hangs = [h for h in self._hang_pass(now)
                  if h.kind == "hang" and not any(inconsistent.explains(i, h) or self._stuck_in(i, h) for i in incs)]
-        held = {id(h) for h in linkfaults.held_on_lossy_links(self.timeline, now, hangs)}
-        hangs = [h for h in hangs if id(h) not in held]  # a lossy link's stall: comm-slow's, not yet a hang
+        hangs = self._lossy.hangs(self.timeline, now, hangs)  # a lossy link's stall: comm-slow's, not yet a hang
         refined = linkfaults.find_link_faults(self.timeline, now, hangs)
         replaced = {(f.comm, f.seq) for f in refined}
         refined += nccllinks.find_proxy_faults(self.timeline, now, [h for h in hangs if (h.comm, h.seq) not in replaced])

@@ -6,10 +6,11 @@ others were quiet. Ranks of one collective stall together (each waits for the da
 it), so "bytes stopped moving" alone cannot tell the links apart; retransmissions and resets can. The
 findings replace the hangs they explain. Asked of a Timeline (its `links` table: rank pairs with
 per-second buckets, see links.py) at Unix time `now`; suspects are named with links.name_pairs.
-A wait on a link that was lossy before it began (it kept retransmitting while it carried data) is
-held until it lasts LOSSY_HOLD_S (`held_on_lossy_links`): TCP backs off on each lost retransmission,
-so such a link stalls a transfer for seconds now and then, and that is the slow link comm-slow names,
-not a hang; a link cut on top of the loss still retransmits past the hold and is named then.
+A wait on a link that was lossy before it began (it kept retransmitting in the seconds before) is
+held until it lasts LOSSY_HOLD_S (`held_on_lossy_links`, over ticks `LossyHold`): TCP backs off on
+each lost retransmission, so such a link stalls a transfer for seconds now and then, and that is the
+slow link comm-slow names, not a hang; a link cut on top of the loss still retransmits past the hold
+and is named then. A hang once shown is never held after (LossyHold remembers it).
 Aftermath: a rank at either end of a link fault that then exits (a cut link makes its calls fail)
 is that fault's consequence, not a second root cause: the link finding stays in its place.
 """
@@ -29,11 +30,12 @@ MIN_LINK_RETRANS = 2       # retransmissions since a hang began that make a link
 HANG_SETTLE_S = 1.0        # retransmissions are counted from this long after a hang began: data in flight
                            # when it began is acked (or lost) by then, and on a busy 2-core box every link
                            # retransmits now and then; after it, only a link that lost its peer keeps trying
-LOSSY_BEFORE_S = 10.0      # a link that retransmitted in this long before a hang began ...
+LOSSY_BEFORE_S = 10.0      # a link that retransmitted in the whole seconds of this long before a hang began ...
 LOSSY_RETRANS_PER_S = 1.0  # ... this often on average (healthy links here: at most ~0.5/s; a 5 % loss: ~20/s),
                            # standing out from the others, was lossy before the wait: not cut at its onset ...
-LOSSY_HOLD_S = 12.0        # ... so a wait on it is a hang only past this (six lost retransmissions in a row
-                           # back off 0.2 + 0.4 + ... + 6.4 s; under the 15 s in which a hang is to be named)
+LOSSY_HOLD_S = 12.0        # ... so a wait on it is a hang only past this (a segment lost five times in a row
+                           # has waited 0.2 + 0.4 + ... + 3.2 = 6.2 s, six times 12.6 s; and 12 s is under the
+                           # 15 s in which a hang is to be named)
 AFTERMATH_S = 60.0         # a link fault's rank that exits within this long of the fault's last sight ...
 AFTERMATH_ONSET_S = 5.0    # ... in a hang that began at most this long before the fault's: its consequence
 
@@ -76,10 +78,32 @@ def held_on_lossy_links(tl: Timeline, now: float, hangs: List[Finding]) -> List[
         suspects, _ = _link_suspects(tl, h.job, h.onset_at + HANG_SETTLE_S, now)
         if not suspects:
             continue
-        before, win = _link_suspects(tl, h.job, h.onset_at - LOSSY_BEFORE_S, h.onset_at)
+        # the whole seconds before the onset, none of them after it: a cut's first retransmissions are not
+        # "before" (_link_suspects reads the per-second buckets that start in [from - 1, to + 1))
+        before, win = _link_suspects(tl, h.job, h.onset_at - LOSSY_BEFORE_S, h.onset_at - 2.0)
         if any(p in before and win[p].retrans >= LOSSY_RETRANS_PER_S * LOSSY_BEFORE_S for p in suspects):
             out.append(h)
     return out
+
+
+class LossyHold:
+    """held_on_lossy_links over ticks (one per Diagnoser). Whether a hang is held depends on the
+    retransmissions counted since it began, which come after it: a hang shown at the floor, before its
+    link's first RTO fired, and held a tick later would read as recovered while it still waits. So a
+    hang shown once is never held after."""
+
+    def __init__(self) -> None:
+        self._shown: Dict[Tuple[str, str, int], float] = {}  # (job, comm, seq) -> when last shown
+
+    def hangs(self, tl: Timeline, now: float, hangs: List[Finding]) -> List[Finding]:
+        """`hangs` less those held at `now`; the others are remembered as shown."""
+        self._shown = {k: t for k, t in self._shown.items() if now - t <= AFTERMATH_S}
+        fresh = [h for h in hangs if (h.job, h.comm, h.seq) not in self._shown]
+        held = {id(h) for h in held_on_lossy_links(tl, now, fresh)}
+        out = [h for h in hangs if id(h) not in held]
+        for h in out:
+            self._shown[(h.job, h.comm, h.seq)] = now
+        return out
 
 
 def find_link_faults(tl: Timeline, now: float, hangs: List[Finding]) -> List[Finding]:

@@ -250,8 +250,10 @@ class Agent:
         if self.discover_all:
             return set(discover.all_pids())
         roots = ([self.root_pid] if self.root_pid is not None else []) + list(self.pids)
-        # The command `ccld run` started is a candidate too: `ccld run -- python train.py` of a rank
-        # whose RANK and WORLD_SIZE a launcher set (a torchrun command is no rank and is left out)
+        # The command `ccld run` started is a candidate too (`ccld run -- env RANK=0 ... python train.py`,
+        # a wrapper that exports RANK). One whose RANK ccld's own environment holds as well (a pod's
+        # `ccld run -- torchrun`, torchrun getting the pod's node rank) fails identify's parent check,
+        # as a worker forked by a rank does: a launcher is never a rank.
         return set(roots) | self._tree.descendants(roots, discover.list_pids())
 
     def _scan(self, now: float) -> None:
@@ -260,7 +262,7 @@ class Agent:
             key = (pid, discover._cmdline(pid))
             if key in self._not_ranks:
                 continue
-            ident = discover.identify(pid, launched=pid == self.root_pid)
+            ident = discover.identify(pid)
             if ident is None:
                 if len(self._not_ranks) >= NEG_CACHE_LIMIT:
                     self._not_ranks.clear()

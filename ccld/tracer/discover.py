@@ -79,10 +79,8 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def identify(pid: int, launched: bool = False) -> Optional[RankIdentity]:
-    """The rank identity of `pid`, or None when it is not a (top-level) rank process. `launched`: pid
-    is the command `ccld run` started, a rank even when ccld's own environment (a launcher's: srun,
-    mpirun) holds the same RANK, which would otherwise make it look like a worker forked by a rank."""
+def identify(pid: int) -> Optional[RankIdentity]:
+    """The rank identity of `pid`, or None when it is not a (top-level) rank process."""
     env = read_environ(pid)
     if not env or "RANK" not in env or "WORLD_SIZE" not in env:
         return None
@@ -90,7 +88,7 @@ def identify(pid: int, launched: bool = False) -> Optional[RankIdentity]:
     if rank < 0 or world <= 0:
         return None
     addr, port = env.get("MASTER_ADDR", ""), _int(env, "MASTER_PORT", 0)
-    parent = None if launched else read_environ(ppid_of(pid))
+    parent = read_environ(ppid_of(pid))
     if parent and all(parent.get(k) == env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return None  # a worker forked by a rank (e.g. a DataLoader worker), not a rank itself
     job = env.get("CCLD_JOB") or (f"{addr}:{port}" if addr else env.get("TORCHELASTIC_RUN_ID", "job"))

@@ -18,8 +18,8 @@ takes part in (a pause, a batch change) and the data loader's stall act at a ste
 rates measured here (STEPS_PER_S, under `ccld run` on this 2-vCPU box) times RATE_MARGIN, so a
 quieter box still runs that long first (a loaded one longer). `Result.baseline_s` is what it really
 ran before the onset. bench/accuracy.py runs these same functions, so what is said here holds there.
-Budget on 2 vCPUs: a 4-rank torchrun starts in ~10-15 s, `ccld run` stops in ~7 s (detaching ~44
-uprobes, ~0.1 s each); hang scenarios take ~45-75 s in all, slowdowns ~90-110 s.
+Budget on 2 vCPUs: a 4-rank torchrun starts in ~10-15 s, `ccld run` stops in ~3 s (gloo's 44
+uprobes are uprobe_multi links: ~0.2 s to detach, where a perf event each took ~0.1 s apiece); hang scenarios take ~45-75 s in all, slowdowns ~90-110 s.
 """
 from __future__ import annotations
 

@@ -90,42 +90,60 @@ def test_ranks_appear_exit_and_come_back_and_forks_are_not_ranks():
         sink.close()
 
 
-def test_the_command_ccld_run_started_is_a_rank_even_when_its_launcher_set_the_same_rank():
-    # `srun ccld run -- python train.py`: the launcher set RANK for ccld run as well, so the command's
-    # parent holds the command's RANK, which elsewhere marks a worker forked by a rank. The command
-    # itself (the agent's root) is a rank; what it forks (FORK=1) still is not.
-    sink = Sink()
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="29998", FORK="1")
+def launched_by(env, src, *args):
+    """(a stand-in for `ccld run` with environment `env`, the command it started: python -c src)."""
     outer = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
-                              "subprocess.Popen([sys.executable, '-c', sys.argv[1]]).wait()", RANK_SRC], env=env)
+                              "subprocess.Popen([sys.executable, '-c'] + sys.argv[1:]).wait()", src] + list(args),
+                             env=env)
+    for _ in range(100):
+        with open(f"/proc/{outer.pid}/task/{outer.pid}/children") as f:
+            kids = f.read().split()
+        if kids:
+            return outer, int(kids[0])
+        time.sleep(0.05)
+    outer.kill()
+    raise AssertionError("the ccld run stand-in started no command")
+
+
+# The command sets RANK itself (as `env RANK=0 ... python` or a wrapper script does) before it sleeps.
+SETS_RANK = ("import os, sys, time\n"
+             "if len(sys.argv) > 1:\n"
+             "    env = dict(os.environ, RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1',\n"
+             "               MASTER_PORT='29998')\n"
+             "    os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)'], env)\n"
+             "time.sleep(60)\n")
+
+
+@pytest.mark.parametrize("who", ["its command", "ccld's environment"])
+def test_the_command_ccld_run_started_is_a_rank_when_it_and_not_ccld_holds_the_rank(who):
+    # `ccld run -- env RANK=0 ... python train.py`: the command itself is the rank (it was never looked
+    # at: only its descendants were). When ccld's own environment holds the same RANK (a pod's
+    # `ccld run -- torchrun`, torchrun getting the pod's node rank), the command is a launcher, no rank.
+    sink = Sink()
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if who == "its command":
+        outer, root = launched_by(base, SETS_RANK, "exec")
+    else:
+        outer, root = launched_by(dict(base, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT="29998"), SETS_RANK)
     agent = None
     try:
-        root = None
-        for _ in range(100):
-            with open(f"/proc/{outer.pid}/task/{outer.pid}/children") as f:
-                kids = f.read().split()
-            if kids:
-                root = int(kids[0])
-                break
-            time.sleep(0.05)
-        assert root is not None, "the launcher stand-in started no command"
-        assert discover.identify(root) is None  # the parent's same RANK: read as a forked worker ...
         agent = Agent(sink.endpoint, root_pid=root, use_bpf=False, say=lambda s: None)
         agent.start()
-        assert sink.wait(lambda es: of(es, "rank"))  # ... but as ccld run's command it is the rank
-        time.sleep(1.0)
-        sink.drain(0.5)
-        assert [e.pid for e in of(sink.events, "rank")] == [root]  # its fork is not
+        if who == "its command":
+            assert sink.wait(lambda es: of(es, "rank"))
+            assert [e.pid for e in of(sink.events, "rank")] == [root]
+        else:
+            sink.drain(2.0)  # the agent scans every 0.2 s while ranks come and go
+            assert of(sink.events, "rank") == []
     finally:
         if agent is not None:
             agent.stop()
-        for pid in discover.descendants(outer.pid):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
         outer.kill()
+        try:
+            os.kill(root, 9)
+        except ProcessLookupError:
+            pass
         sink.close()
 
 

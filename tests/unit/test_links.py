@@ -148,6 +148,28 @@ def test_a_stall_on_a_link_that_was_lossy_before_is_held_and_a_cut_one_is_not(lo
     assert [f.link for f in Diagnoser(tl).find_hangs(now)] == [[1, 2]]
 
 
+def test_a_hang_shown_before_its_link_retransmits_is_not_held_later():
+    # The hold depends on retransmissions counted since the hang began, which come after it: a hang
+    # shown at the floor before the lost segment's RTO fired must not be held a tick later (it would
+    # read as recovered while it still waits).
+    tl, job, links = job_with_links()
+    end = job.steps(1, 60, T0 + 1, period=0.2)
+    for i in range(12):
+        links.ring(T0 + 1 + i, retrans={(1, 2): 20})  # lossy before
+    job.collective(61, end + 0.01, finish=False)
+    for i in range(5):
+        links.ring(end + 0.5 + i, nbytes=0)  # quiet at first
+    job.feed(tl, end + 5.4)
+    d = Diagnoser(tl)
+    first = d.find_hangs(end + 5.4)
+    assert [(h.kind, h.seq) for h in first] == [("hang", 61)]  # past the floor, no link to hold it on
+    for i in range(5, 8):
+        links.ring(end + 0.5 + i, nbytes=0, retrans={(1, 2): 2})
+    job.feed(tl, end + 8.0)
+    assert [(h.seq, h.link) for h in d.find_hangs(end + 8.0)] == [(61, [1, 2])]  # still shown, now on its link
+    assert Diagnoser(tl).find_hangs(end + 8.0) == []  # seen first now, it is held: the memory keeps it shown
+
+
 def test_a_rank_that_never_entered_is_not_explained_by_a_retransmitting_link():
     # Rank 2 is asleep before seq 61 (in no operation), the others wait in it; a link of the job
     # happens to retransmit meanwhile. A link cannot keep a rank from entering: the hang stays its own.
