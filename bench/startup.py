@@ -87,6 +87,9 @@ def main() -> None:
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("startup: needs root (ccld run loads eBPF programs)")
+    from ccld.bpf import sysbpf
+    if not sysbpf.has_uprobe_multi():  # CCLD_UPROBE_MULTI=1 would fall back to perf events unsaid
+        raise SystemExit("startup: this kernel has no uprobe_multi links (6.6+): the stop rows compare them")
     warm_dir = tempfile.mkdtemp(prefix="ccld-startup-warm-")
     os.chmod(warm_dir, 0o700)
     cold, warm = [], []
@@ -103,9 +106,6 @@ def main() -> None:
             print(f"startup: round {i + 1}: cold {cold[-1][0]:.2f} s to the command, warm {warm[-1][0]:.2f} s",
                   flush=True)
         rss = rss_mib(warm_dir)
-        from ccld.bpf import sysbpf
-        if not sysbpf.has_uprobe_multi():  # CCLD_UPROBE_MULTI=1 would fall back to perf events unsaid
-            raise SystemExit("startup: this kernel has no uprobe_multi links (6.6+): the stop rows compare them")
         stops: dict = {True: [], False: []}
         for i in range(args.rounds):
             for multi in (True, False):

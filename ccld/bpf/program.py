@@ -137,10 +137,6 @@ class Program:
             raise
         return made
 
-    def attach_uprobe(self, path: str, addr: int, fn_name: str, retprobe: bool = False, pid: int = -1) -> int:
-        """One uprobe (uretprobe) on `path` at symbol address `addr`: attach_uprobes of one point."""
-        return self.attach_uprobes(path, [(addr, fn_name, retprobe)], pid)[0]
-
     def close_events(self, fds: Iterable[int], pool=None) -> None:
         """Detach the events `fds` (of this program), on `pool` (an Executor) when given."""
         with self._lock:
