@@ -2,9 +2,9 @@
 reaches the timeline, how much memory it holds per rank, and what a diagnosis tick costs.
 
 Simulated agents: SENDERS processes, each playing a share of the job's nodes (RANKS_PER_NODE ranks and
-one agent id per node), every node sending a frame each 250 ms that it has events (the agent drains its
-ring buffers every POLL_MS = 250 ms and sends a frame per drain; --frame-ms 100 for the shape before
-that period moved from 100 ms), else a heartbeat
+one agent id per node), every node sending a frame each POLL_MS (500 ms) that it has events (the agent
+drains its ring buffers every POLL_MS and sends a frame per drain; --frame-ms 250 or 100 for the shapes
+before that period moved from 250 ms, and before that from 100 ms), else a heartbeat
 frame (its clock sample alone) once a second, as the real shipper does, with the
 events of the collectives its ranks did in that interval: the world communicator at --rate collectives
 per second plus one collective of the node's own 8-rank group per world collective, each rank
@@ -418,7 +418,7 @@ def main() -> None:
                          "(every size at every rate; events per CPU-s and us per frame)")
     ap.add_argument("--cprofile", action="store_true", help="with --profile-ingest: print cProfile's top functions")
     ap.add_argument("--frame-ms", type=float, default=POLL_MS,
-                    help=f"a node's frame period (default {POLL_MS}: the agent's drain period; 100 before it moved)")
+                    help=f"a node's frame period (default {POLL_MS}: the agent's drain period; 250, and 100 before that)")
     ap.add_argument("--sender", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--nodes", default="", help=argparse.SUPPRESS)

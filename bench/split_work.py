@@ -5,7 +5,7 @@ its 8-rank group communicator's to another, a frame to each, as a shipper with t
 
 The job is collector_scale.py's (8 ranks and one agent per node; `rate` world all-reduces a second
 plus one node-group collective each time; enter, start and end on every rank; a frame per node every
-FRAME_S, 250 ms since this session (100 before), with events, else a heartbeat once a second). The frames `--seconds` of the job would send are
+FRAME_S, the agent's drain period POLL_MS (500 ms; 250 and 100 ms before), with events, else a heartbeat once a second). The frames `--seconds` of the job would send are
 built first, then ingested collector after collector in this thread as collector_scale.py
 --profile-ingest does (Collector._take: decode, store to disk; then the timeline per GROUP_FRAMES or
 GROUP_EVENTS; no detector ticks); the first fifth of each collector's frames (the ranks'

@@ -236,6 +236,10 @@ class Family:
             flush(now_ns)
         return n
 
+    def ring_share(self, n: int) -> float:
+        """The share of this family's ring buffer that n records take (0 for a family without one)."""
+        return 0.0 if self.ring is None else n * self.ring.stride / self.ring.data_size
+
     def lost(self) -> int:
         """Records the kernel side could not reserve (ring buffer full), summed over CPUs; once
         closed, the count at close (the agent ships its final loss counters after closing us)."""

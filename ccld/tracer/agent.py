@@ -33,14 +33,17 @@ from ccld.tracer.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_BYTES, Spool
 
 log = logging.getLogger("ccld.agent")
 
-POLL_MS = 250             # ring-buffer drain period while records come: records wait at most this long in
-                          # the kernel (gloo's 16 MiB ring holds 1.3 s of 20,000 collectives/s: bench/burst.py), a hang
-                          # is judged over seconds, and each drain has a fixed cost (~0.5 ms of numpy calls
-                          # in the gloo translator, a frame in the shipper): at 100 ms that fixed cost was
-                          # half of the agent's CPU on a busy job (bench/agent_profile.py)
-IDLE_POLL_MS = 500        # ... and, the drains finding nothing, the period doubles up to this: each wakeup
-                          # of the loop costs ~0.1 ms of CPU here, and a quiet job should not pay 10 a
-                          # second; the first records after a quiet spell wait at most this long
+POLL_MS = 500             # ring-buffer drain period: records wait at most this long in the kernel, a hang is
+                          # judged over seconds (its floor is >= 3 s, and the collector reads a node's data as
+                          # complete up to its last RankState, sent once a second), and each drain costs the
+                          # same whatever it holds: ~0.6-0.8 ms of numpy calls in the gloo translator, a frame
+                          # in the shipper, ~3x what a hot loop of the same calls takes, because after a
+                          # sleep the caches are cold (bench/agent_cost.py's cold row). At 250 ms this
+                          # fixed cost was ~60 % of the agent's CPU on a busy job (agent_cost's drain period
+                          # rows); the collector's cost is per frame too (bench/collector_scale.py)
+FAST_POLL_MS = 125        # ... but a drain that took more than FAST_SHARE of a family's ring buffer is
+FAST_SHARE = 0.25         # followed by another this soon (a burst: gloo's 16 MiB ring holds 1.3 s of
+                          # 20,000 collectives/s, bench/burst.py), until the drains are small again
 SCAN_INTERVAL_MS = 200    # new ranks are attached within this (+ attach time) of mapping libtorch ...
 IDLE_SCAN_INTERVAL_MS = 1000  # ... while ranks come and go; once the set is stable for STABLE_S, scan
 STABLE_S = 30.0               # /proc less often (a full scan reads every /proc/PID/stat: ~1 % of a core)
@@ -51,6 +54,26 @@ MAPS_RECHECK_S = 10.0     # a rank's /proc/PID/maps (thousands of lines with tor
                           # address space grew (a library mapped), or at the latest this often
 NIC_INTERVAL_S = 5.0      # RDMA port counters (sysfs, cumulative): a slow or erroring link shows within
                           # seconds, and ~50 file reads per port every 5 s cost nothing measurable
+
+
+def poll_after(busiest: float, poll_ms: int = POLL_MS) -> int:
+    """The ms until the next drain, after a drain whose fullest ring buffer gave up `busiest` of its room."""
+    return min(FAST_POLL_MS, poll_ms) if busiest > FAST_SHARE else poll_ms
+
+
+def drain_ms_from_env() -> int:
+    """POLL_MS, or CCLD_DRAIN_MS when set (benchmarks compare periods; a user may trade CPU for promptness)."""
+    raw = os.environ.get("CCLD_DRAIN_MS")
+    if raw is None or raw == "":
+        return POLL_MS
+    try:
+        ms = int(raw)
+    except ValueError:
+        ms = -1
+    if not 50 <= ms <= 5000:
+        raise CcldError(f"CCLD_DRAIN_MS={raw!r}: the agent's drain period is a whole number of milliseconds "
+                        "from 50 to 5000 (default 500)")
+    return ms
 
 
 @dataclass
@@ -75,6 +98,7 @@ class Agent:
         if not pids and root_pid is None and not discover_all:
             raise CcldError("the agent needs something to trace: --pid PID, --discover, or a command (ccld run)")
         self.endpoint = endpoint
+        self.poll_ms = drain_ms_from_env()
         self.pids, self.root_pid, self.discover_all = list(pids), root_pid, discover_all
         self.use_bpf = use_bpf
         self.probes = list(probes)
@@ -215,14 +239,14 @@ class Agent:
         # the records that came before it, so the collector reads the latest one as "this agent's
         # records up to here are in" (Timeline.agent_lag_s) and judges no wait past it.
         next_scan = next_announce = next_nic = 0.0
-        poll_ms = POLL_MS
+        poll_ms = self.poll_ms
         while True:
             self.sinks.poll()  # before the families drain: see sinks.py (one source per NCCL collective)
             now_ns = time.monotonic_ns()
-            came = False
+            busiest = 0.0
             for fam, _ in self.families:  # each drains what came (or, kernel families, when their interval is up)
-                came |= bool(fam.tick(now_ns))
-            poll_ms = POLL_MS if came else min(IDLE_POLL_MS, poll_ms * 2)
+                busiest = max(busiest, fam.ring_share(fam.tick(now_ns)))
+            poll_ms = poll_after(busiest, self.poll_ms)
             now = time.monotonic()
             if now >= next_scan:
                 try:

@@ -93,7 +93,7 @@ class NcclProfSink:
         self._closed = False
         self.on_first: Optional[Callable[[int, int], None]] = None  # (pid, since_ns): the plugin took over NCCL
         # A Unix datagram socket queues only net.unix.max_dgram_qlen datagrams (10 by default), whatever
-        # its buffer: the agent's loop polls every 250 ms, so a thread of its own reads them as they come
+        # its buffer: the agent's loop polls every POLL_MS (500 ms), so a thread of its own reads them as they come
         # into a bounded inbox (the ranks' sends would be refused otherwise). Handling stays in poll(),
         # on the agent's loop, in order with its probe drains.
         self._inbox: Deque[bytes] = collections.deque()

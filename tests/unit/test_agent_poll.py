@@ -1,0 +1,83 @@
+"""The agent's drain period: every POLL_MS, and FAST_POLL_MS after a drain that took more than
+FAST_SHARE of a ring buffer (a burst), back to POLL_MS once the drains are small again. The real agent
+loop with a stand-in family (no eBPF); real ZeroMQ."""
+import os
+import threading
+import time
+import types
+
+import pytest
+
+from ccld.bpf import loader
+from ccld.errors import CcldError
+from ccld.tracer.agent import FAST_POLL_MS, FAST_SHARE, POLL_MS, Agent, drain_ms_from_env, poll_after
+
+pytestmark = pytest.mark.unit
+
+
+def test_poll_after_follows_the_fullest_ring():
+    assert POLL_MS > FAST_POLL_MS
+    assert poll_after(0.0) == POLL_MS
+    assert poll_after(FAST_SHARE) == POLL_MS  # at the bound: still the usual period
+    assert poll_after(FAST_SHARE + 0.01) == FAST_POLL_MS
+    assert poll_after(1.0) == FAST_POLL_MS
+
+
+def test_ring_share_is_records_times_slot_over_the_ring():
+    fam = loader.Family(on_record=None)
+    assert fam.ring_share(1000) == 0.0  # no ring buffer (not loaded, or a kernel family)
+    fam.ring = types.SimpleNamespace(stride=208, data_size=16 << 20)
+    assert fam.ring_share(0) == 0.0
+    assert fam.ring_share(80_659) == pytest.approx(80_659 * 208 / (16 << 20))
+    assert fam.ring_share(40_000) > FAST_SHARE > fam.ring_share(10_000)
+
+
+class BurstyFamily(loader.Family):
+    """A family whose ring buffer (16 MiB of 208-byte slots, gloo's) gets a burst of 40,000 records a
+    drain for the first `burst` drains, then nothing; it notes when each drain came."""
+    NAME = "bursty"
+
+    def __init__(self, burst: int):
+        super().__init__(on_record=None)
+        self.ring = types.SimpleNamespace(stride=208, data_size=16 << 20)
+        self.burst, self.times = burst, []
+        self.lock = threading.Lock()
+
+    def tick(self, now_ns):
+        with self.lock:
+            self.times.append(time.monotonic())
+            return 40_000 if len(self.times) <= self.burst else 0
+
+
+def test_the_loop_drains_sooner_after_a_big_drain_and_slows_after():
+    fam = BurstyFamily(burst=4)
+    agent = Agent("tcp://127.0.0.1:9", pids=[os.getpid()], use_bpf=False, say=lambda s: None, time_service="off")
+    try:
+        agent.load()
+        agent.families = [(fam, None)]
+        agent.start()
+        deadline = time.monotonic() + 15
+        while len(fam.times) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        agent.stop()
+    with fam.lock:
+        t = list(fam.times)
+    assert len(t) >= 8, t
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    # after each of the 4 big drains: the fast period (loose bounds: a loaded 2-CPU box); after the quiet ones: POLL_MS
+    fast, slow = gaps[:4], gaps[4:7]
+    assert max(fast) < (FAST_POLL_MS + POLL_MS) / 2000, gaps
+    assert min(slow) > 0.8 * POLL_MS / 1000, gaps
+
+
+def test_the_drain_period_can_be_set_and_a_bad_one_is_named(monkeypatch):
+    monkeypatch.setenv("CCLD_DRAIN_MS", "250")
+    assert drain_ms_from_env() == 250
+    assert poll_after(0.9, 100) == 100  # a period shorter than the fast one stays as it is
+    for bad in ("fast", "0", "99999", "2.5"):
+        monkeypatch.setenv("CCLD_DRAIN_MS", bad)
+        with pytest.raises(CcldError, match="CCLD_DRAIN_MS"):
+            Agent("tcp://127.0.0.1:9", pids=[os.getpid()], use_bpf=False, say=lambda s: None, time_service="off")
+    monkeypatch.delenv("CCLD_DRAIN_MS")
+    assert drain_ms_from_env() == POLL_MS
