@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -113,6 +114,15 @@ def agent_windows(job_args, seconds: float, drain_ms) -> list:
 def _window(ep: str, job_pid: int, seconds: float, env: dict) -> dict:
     ag = subprocess.Popen([sys.executable, "-c", AGENT, ROOT, ep, str(job_pid)], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        return _measure(ag, seconds)
+    finally:
+        if ag.poll() is None:
+            ag.kill()
+            ag.wait(30)
+
+
+def _measure(ag: subprocess.Popen, seconds: float) -> dict:
     line = ag.stdout.readline().strip()
     assert line.startswith("ready "), line
     names = json.loads(line[len("ready "):])
@@ -298,6 +308,8 @@ def main() -> None:
                     help="drain periods (ms, CCLD_DRAIN_MS) of the busy job's windows, in order")
     ap.add_argument("--write-results", action="store_true")
     a = ap.parse_args()
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a `timeout` or a closed terminal: stop the job too (finally)
+        signal.signal(sig, lambda signum, _f: sys.exit(128 + signum))
     from overhead import JOB_ARGS
     r = {"per_event": per_event(), "old_us": old_path()}
     print(json.dumps(r, indent=1), file=sys.stderr)

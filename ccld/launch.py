@@ -136,6 +136,8 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
         cmd = cmd[1:]
     if not cmd:
         raise CcldError("nothing to run: give a command after --, e.g. ccld run -- torchrun --nproc-per-node 4 train.py")
+    from ccld.tracer.agent import drain_ms_from_env
+    drain_ms_from_env()  # a bad CCLD_DRAIN_MS is named before the job starts, not after
     tmp_store = None
     if perfetto and collector_addr:
         say(f"ccld: note: --perfetto belongs to the collector at {collector_addr}; ignored here")

@@ -12,7 +12,8 @@
 
 #ifndef CCLD_RINGBUF_PAGES
 /* 4 MiB: 20,164 slots of 208 bytes (a 200-byte record + its 8-byte header), 47,662 of 88. The agent
- * drains every 250 ms while records come (500 ms after a quiet spell): a family whose records are big
+ * drains every 500 ms, every 125 ms while a burst fills a quarter of a ring in 500 ms (tracer/agent.py
+ * POLL_MS): a family whose records are big
  * or many sets its own size before including this file (gloo: 16 MiB), so that its ring holds well
  * over a drain period at the node's busiest rate (bench/burst.py). */
 #define CCLD_RINGBUF_PAGES 1024

@@ -91,8 +91,8 @@
 #ifndef CCLD_RINGBUF_PAGES
 /* 16 MiB: 80,659 slots of 208 bytes. A collective writes 3 records (enter, start, end), so this holds
  * 1.3 s of 20,000 collectives/s; common.h's 4 MiB held 0.34 s, less than a drain period plus its
- * lateness (the agent drains every 250 ms while records come, 500 ms after a quiet spell, later when
- * the node's CPUs are busy), and bench/burst.py lost records at 20,000/s with it. */
+ * lateness (the agent drained every 250 ms then, 500 ms now, 125 ms during a burst; later when the
+ * node's CPUs are busy), and bench/burst.py lost records at 20,000/s with it. */
 #define CCLD_RINGBUF_PAGES 4096
 #endif
 #include "common.h"

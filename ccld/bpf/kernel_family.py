@@ -98,7 +98,7 @@ class KernelFamily(Family):
 
     def tick(self, now_ns: int) -> int:
         """Drain if DRAIN_MS have passed since the last drain (the agent calls this every POLL_MS, or
-        less often when nothing comes; a drain's sums are records the ring families do not count)."""
+        more often during a burst; a drain's sums are records the ring families do not count)."""
         now = now_ns / 1e9
         if now >= self._next_drain:
             self._drain_now(now)

@@ -36,8 +36,9 @@
 #define CCLD_REC_SIZE 96  /* pgn_work, the largest record: every record takes this room */
 #endif
 #ifndef CCLD_RINGBUF_PAGES
-/* 1 MiB: 10,082 slots of 104 bytes (a record + its 8-byte header), one per collective: 2.0 drain periods
- * (250 ms) of 20,000 collectives/s on the node. The agent maps a ring's pages twice and they count in
+/* 1 MiB: 10,082 slots of 104 bytes (a record + its 8-byte header), one per collective: one 500 ms drain
+ * period of 20,000 collectives/s on the node (a burst to that rate can lose, and count, records in
+ * its first drain period; the agent then drains every 125 ms: tracer/agent.py). The agent maps a ring's pages twice and they count in
  * its resident memory (8 MiB for the common 4 MiB ring), so this family keeps to what it needs. */
 #define CCLD_RINGBUF_PAGES 256
 #endif

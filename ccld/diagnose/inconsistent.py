@@ -29,7 +29,7 @@ from ccld.diagnose.evidence import EVIDENCE_RANKS, rank_evidence
 from ccld.diagnose.findings import Finding
 
 WINDOW = 8            # newest collectives of a communicator checked every tick (older ones completed)
-GRACE_S = 1.0         # judge a collective not everyone entered only after this long: agents ship every 100 ms
+GRACE_S = 1.0         # judge a collective not everyone entered only after this long: agents ship every 0.5 s
 HISTORY = 48          # collectives looked back at to learn the op pattern (a step's worth, several times)
 MAX_PERIOD = 16       # longest op pattern (collectives per step) searched for
 MAX_SHIFT = 3         # largest skip/addition of collectives reported

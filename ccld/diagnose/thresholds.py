@@ -24,13 +24,13 @@ from typing import Dict, List, Optional, Set
 from ccld.timeline.records import Comm, RankRecord
 from ccld.timeline.timeline import Timeline
 
-FLOOR_S = 5.0   # never call a hang before this while a communicator's normal is unknown: agents ship every 100 ms
+FLOOR_S = 5.0   # never call a hang before this while a communicator's normal is unknown: agents ship every 0.5 s
 LEARNED_FLOOR_S = 3.0  # ... and once LEARN_S of its collectives completed (and k x their worst spread is lower):
 LEARN_S = 15.0         # ... and at least LEARN_MIN_OPS of them: the job's own waits say how long they get; 3 s is
-LEARN_MIN_OPS = 100    # 12 of the agent's 250 ms drains. (60 s before issue 18: a DDP hang 20 s into a job
+LEARN_MIN_OPS = 100    # 6 of the agent's 500 ms drains. (60 s before issue 18: a DDP hang 20 s into a job
                        # was named after the 5 s floor; K x the worst spread seen keeps slow-arriving jobs safe)
 K = 4.0         # x the job's own worst recent spread/duration
-AGENT_SILENT_S = 3.0  # agents send a frame every 100 ms; 3 s without one means we are blind there ...
+AGENT_SILENT_S = 3.0  # agents send a frame every 0.5 s (a heartbeat each second when idle); 3 s without one ...
 AGENT_LAG_S = 3.0     # ... and so are we when its latest /proc state (every ~1 s, after a drain) is this old:
                       # heartbeats still come, but its ranks' records do not (a stalled drain, a frozen VM)
 # A missing rank that is busy (CPU or disk) while its peers wait is most likely checkpointing or

@@ -34,7 +34,7 @@ import collections
 import math
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-SETTLE_S = 1.0            # receive time a collective waits for every agent's ends (frames every 0.1 s)
+SETTLE_S = 1.0            # receive time a collective waits for every agent's ends (frames every 0.5 s)
 MAX_ENTRIES = 131_072     # (agent, collective) entries waiting, at most: 64 collectives of 2,048 agents
 SETTLE_GROUPS = 64        # without receive times: read 64 collectives later (a handful are in flight)
 UPDATE_MIN_S = 0.5        # receive time between recomputations, at least

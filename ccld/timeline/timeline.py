@@ -110,7 +110,7 @@ class Timeline:
         info = self.agents.setdefault(agent, {"node": batch.node, "last_batch": 0, "frames": 0})
         prev = info.get("last_recv")
         if prev is not None and recv_unix >= prev:
-            # Typical gap between this agent's frames (EWMA): a live agent sends every 100 ms, so it
+            # Typical gap between this agent's frames (EWMA): a live agent sends every 0.5 s, so it
             # is "silent" after a few seconds; a replayed or synthetic source with sparse frames is not.
             gap = recv_unix - prev
             info["gap_s"] = gap if "gap_s" not in info else 0.8 * info["gap_s"] + 0.2 * gap

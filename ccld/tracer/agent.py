@@ -37,13 +37,14 @@ POLL_MS = 500             # ring-buffer drain period: records wait at most this 
                           # judged over seconds (its floor is >= 3 s, and the collector reads a node's data as
                           # complete up to its last RankState, sent once a second), and each drain costs the
                           # same whatever it holds: ~0.6-0.8 ms of numpy calls in the gloo translator, a frame
-                          # in the shipper, ~3x what a hot loop of the same calls takes, because after a
-                          # sleep the caches are cold (bench/agent_cost.py's cold row). At 250 ms this
-                          # fixed cost was ~60 % of the agent's CPU on a busy job (agent_cost's drain period
-                          # rows); the collector's cost is per frame too (bench/collector_scale.py)
-FAST_POLL_MS = 125        # ... but a drain that took more than FAST_SHARE of a family's ring buffer is
-FAST_SHARE = 0.25         # followed by another this soon (a burst: gloo's 16 MiB ring holds 1.3 s of
-                          # 20,000 collectives/s, bench/burst.py), until the drains are small again
+                          # in the shipper, 1.6-3.7x what a hot loop of the same calls takes, because after a
+                          # sleep the caches are cold (bench/agent_cost.py's cold column). At 250 ms these
+                          # costs were about half of the agent's CPU on a busy job: 500 ms took it from
+                          # 0.93 to 0.68 % of a core (agent_cost's busy rows). The collector's cost is per
+                          # frame too (bench/collector_scale.py)
+FAST_POLL_MS = 125        # ... but while records come fast enough to fill more than FAST_SHARE of a ring
+FAST_SHARE = 0.25         # buffer in POLL_MS (or a drain took that much), the next drain comes this soon (a
+                          # burst: gloo's 16 MiB ring holds 1.3 s of 20,000 collectives/s, bench/burst.py)
 SCAN_INTERVAL_MS = 200    # new ranks are attached within this (+ attach time) of mapping libtorch ...
 IDLE_SCAN_INTERVAL_MS = 1000  # ... while ranks come and go; once the set is stable for STABLE_S, scan
 STABLE_S = 30.0               # /proc less often (a full scan reads every /proc/PID/stat: ~1 % of a core)
@@ -56,9 +57,12 @@ NIC_INTERVAL_S = 5.0      # RDMA port counters (sysfs, cumulative): a slow or er
                           # seconds, and ~50 file reads per port every 5 s cost nothing measurable
 
 
-def poll_after(busiest: float, poll_ms: int = POLL_MS) -> int:
-    """The ms until the next drain, after a drain whose fullest ring buffer gave up `busiest` of its room."""
-    return min(FAST_POLL_MS, poll_ms) if busiest > FAST_SHARE else poll_ms
+def poll_after(busiest: float, since_ms: float, poll_ms: int = POLL_MS) -> int:
+    """The ms until the next drain, after a drain whose fullest ring buffer gave up `busiest` of its room
+    `since_ms` after the drain before it. Judged by rate (what a drain poll_ms apart would take), so the
+    fast period holds while a burst lasts, not just for the one drain after the first big one."""
+    rate = busiest * poll_ms / max(since_ms, 1.0)
+    return min(FAST_POLL_MS, poll_ms) if max(busiest, rate) > FAST_SHARE else poll_ms
 
 
 def drain_ms_from_env() -> int:
@@ -239,14 +243,14 @@ class Agent:
         # the records that came before it, so the collector reads the latest one as "this agent's
         # records up to here are in" (Timeline.agent_lag_s) and judges no wait past it.
         next_scan = next_announce = next_nic = 0.0
-        poll_ms = self.poll_ms
+        poll_ms, last_ns = self.poll_ms, time.monotonic_ns() - self.poll_ms * 1_000_000
         while True:
             self.sinks.poll()  # before the families drain: see sinks.py (one source per NCCL collective)
             now_ns = time.monotonic_ns()
             busiest = 0.0
             for fam, _ in self.families:  # each drains what came (or, kernel families, when their interval is up)
                 busiest = max(busiest, fam.ring_share(fam.tick(now_ns)))
-            poll_ms = poll_after(busiest, self.poll_ms)
+            poll_ms, last_ns = poll_after(busiest, (now_ns - last_ns) / 1e6, self.poll_ms), now_ns
             now = time.monotonic()
             if now >= next_scan:
                 try:

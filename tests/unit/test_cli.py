@@ -25,6 +25,18 @@ def test_run_without_a_command_says_what_to_do():
     assert "nothing to run" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_bad_drain_period_is_named_before_the_job_starts(tmp_path):
+    marker = tmp_path / "ran"
+    env = dict(os.environ, CCLD_DRAIN_MS="soon")
+    r = subprocess.run(CCLD + ["run", "--no-bpf", "--", "touch", str(marker)], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 1 and "CCLD_DRAIN_MS='soon'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not marker.exists()  # the command never started
+    r = subprocess.run(CCLD + ["agent", "--pid", str(os.getpid()), "--no-bpf", "--collector", "tcp://127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1 and "CCLD_DRAIN_MS='soon'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_diagnose_of_a_missing_store_names_it(tmp_path):
     r = ccld("diagnose", str(tmp_path / "nope"))
     assert r.returncode == 1 and "Traceback" not in r.stderr
