@@ -12,7 +12,7 @@ round-trip uncertainty (a node without a time service, converting with its wall 
 up to MAX_WALL_CORRECTION_S: its error is not bounded by anything measured).
 
 Units: ns. A collective is read once it has waited SETTLE_S of the collector's receive time since its
-first WorkEnd came (`now`, set by the timeline per frame: agents ship every 100 ms, so by then every
+first WorkEnd came (`now`, set by the timeline per frame: agents ship every 0.5 s, so by then every
 agent's ends are in, at any rate of collectives), or once MAX_ENTRIES (agent, collective) entries
 wait; without receive times that move (a caller that gives none, frames stamped alike),
 SETTLE_GROUPS collectives after it.

@@ -35,8 +35,8 @@ log = logging.getLogger("ccld.agent")
 
 POLL_MS = 500             # ring-buffer drain period: records wait at most this long in the kernel, a hang is
                           # judged over seconds (its floor is >= 3 s, and the collector reads a node's data as
-                          # complete up to its last RankState, sent once a second), and each drain costs the
-                          # same whatever it holds: ~0.6-0.8 ms of numpy calls in the gloo translator, a frame
+                          # complete up to its last RankState, sent once a second), and a drain's cost is
+                          # mostly fixed: ~0.6-0.8 ms of numpy calls in the gloo translator, a frame
                           # in the shipper, 1.6-3.7x what a hot loop of the same calls takes, because after a
                           # sleep the caches are cold (bench/agent_cost.py's cold column). At 250 ms these
                           # costs were about half of the agent's CPU on a busy job: 500 ms took it from
