@@ -8,7 +8,7 @@ samples dropped) for --seconds; the table gives each thread's share of the agent
 per thread, the functions that take the most samples, inclusive (the frame or anything it calls)
 and self (the innermost frame). The agent's CPU over the same span is /proc/PID/stat's utime+stime.
 
-    .venv/bin/python bench/agent_profile.py [--seconds 30] [--rate 250] [--probes all] [--top 12]
+    .venv/bin/python bench/agent_profile.py [--seconds 30] [--rate 250] [--probes all] [--top 12] [--job idle]
 
 Root (eBPF) and py-spy (a dependency of ccld) are needed. Prints a Markdown table; writes nothing.
 """
@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+from agent_cost import QUIET_JOB  # noqa: E402
 from overhead import JOB_ARGS, STEP_RX  # noqa: E402
 
 WARM_S = 35.0  # after the agent says it traces: its first scans and attaches are over, and its /proc
@@ -103,15 +104,18 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--probes", default="all", help="probe families for the agent (default: all)")
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--job", choices=("busy", "idle"), default="busy",
+                    help="busy: the overhead bench's job (default); idle: agent_cost's quiet job "
+                         "(one step of 4 collectives a second)")
     a = ap.parse_args()
+    job_args = ["--progress-every", "5"] + JOB_ARGS if a.job == "busy" else QUIET_JOB
     from conftest import free_port
     from ccld.launch import stop_group
     py = sys.executable
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     job = subprocess.Popen([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                             "127.0.0.1", "--master-port", str(free_port()),
-                            os.path.join(ROOT, "ccld", "workloads", "gloo_job.py"), "--steps", "100000000",
-                            "--progress-every", "5"] + JOB_ARGS, stdout=log, stderr=subprocess.STDOUT,
+                            os.path.join(ROOT, "ccld", "workloads", "gloo_job.py"), "--steps", "100000000"] + job_args, stdout=log, stderr=subprocess.STDOUT,
                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     coll = subprocess.Popen([py, "-m", "ccld.cli", "collector", "--listen", endpoint],

@@ -164,11 +164,11 @@ def wait_ranks(root: subprocess.Popen, ranks: int, logs: List[str]) -> List[int]
     from overhead import rank_pids
     from ccld.bpf.gloo import GlooFamily
     from ccld.bpf.loader import read_maps
-    lib = re.compile(GlooFamily.LIB_PATTERN)
+    lib = re.compile(GlooFamily.LIB_PATTERN, re.M)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         pids = rank_pids(root.pid)
-        if len(pids) == ranks and all(any(lib.search(line) for line in read_maps(p)) for p in pids):
+        if len(pids) == ranks and all(lib.search(read_maps(p)) for p in pids):
             return pids
         if time.monotonic() > deadline or root.poll() is not None:
             tails = "".join(open(f).read()[-1500:] for f in logs if os.path.exists(f))

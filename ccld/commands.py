@@ -4,13 +4,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import sys
-import time
 from typing import Any, Iterator, Optional, Tuple
 
 from ccld.errors import CcldError
+
+WAIT_SLICE_S = 5.0  # the longest a stop could wait were its signal's wake-up byte lost
 
 
 def _say(line: str) -> None:
@@ -20,19 +22,34 @@ def _say(line: str) -> None:
 class StopFlag:
     """Set by SIGINT/SIGTERM, read by the main loop. Lock-free on purpose: a threading.Event's set()
     takes the lock its wait() holds between bytecodes, so a signal landing there deadlocked the main
-    thread in its own handler (the collector then never stopped: seen twice in CI)."""
+    thread in its own handler (the collector then never stopped: seen twice in CI). The waiter sleeps
+    in select() on a pipe that the interpreter's C-level signal handler writes to (signal.set_wakeup_fd):
+    a stop ends the wait at once, also when the signal came just before select() began (the byte is
+    already there), and a waiting agent or collector does not wake ten times a second to look."""
 
     def __init__(self) -> None:
         self._got: list = []  # list.append is atomic and takes no lock a waiter could hold
+        self._r, self._w = os.pipe()
+        for fd in (self._r, self._w):
+            os.set_blocking(fd, False)
+
+    def wake_on_signals(self) -> None:
+        """Main thread only: every signal with a Python handler writes a byte to this flag's pipe."""
+        signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
 
     def set(self) -> None:
         self._got.append(True)
 
     def wait(self, timeout: float) -> bool:
-        """True once set; else sleeps `timeout` and says whether it is set now (a signal does not end
-        the sleep: time.sleep resumes after a handler that returns, so a stop waits out the step)."""
+        """True once set; else sleeps up to `timeout` (less when a signal comes) and says whether it
+        is set now."""
         if not self._got and timeout > 0:
-            time.sleep(timeout)
+            ready = select.select([self._r], [], [], timeout)[0]
+            if ready:  # drain, so that a signal that did not set the flag does not keep waking us
+                try:
+                    os.read(self._r, 512)
+                except OSError:
+                    pass
         return bool(self._got)
 
 
@@ -49,11 +66,14 @@ def _on_signal() -> StopFlag:
 
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, stop)
+    done.wake_on_signals()
     return done
 
 
 def _wait_for(done: StopFlag) -> None:
-    while not done.wait(0.1):  # a stop is seen within 0.1 s
+    # The signal's byte ends select() at once; the Python handler that sets the flag runs right after
+    # it, before the next wait. The timeout only bounds a wait whose byte was lost (a full pipe).
+    while not done.wait(WAIT_SLICE_S):
         pass
 
 

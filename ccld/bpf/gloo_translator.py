@@ -129,7 +129,7 @@ class GlooTranslator:
     def records(self, rows: np.ndarray, kinds: np.ndarray) -> None:
         """Every record of one drain, in ring order: (n, REC_SIZE) uint8 rows and their kinds."""
         head = records.view(rows, HOT_HEAD)
-        known = np.isin(head["hdr"]["tgid"], self.comms.pids)
+        known = records.member(head["hdr"]["tgid"], self.comms.pids)
         if not known.all():  # processes we were told to forget; their probes are being detached
             rows, kinds, head = rows[known], kinds[known], head[known]
         n = len(kinds)

@@ -12,7 +12,7 @@ import ctypes as ct
 import logging
 import os
 import time
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from ccld.bpf.loader import Attachment, Family
 from ccld.errors import EnvironmentProblem
@@ -73,7 +73,7 @@ class KernelFamily(Family):
         else:
             self._compile()
 
-    def find_lib(self, pid: int, maps: Optional[List[str]] = None) -> Optional[str]:
+    def find_lib(self, pid: int, maps: Optional[str] = None) -> Optional[str]:
         return self.LIB if os.path.isdir(f"/proc/{pid}") else None
 
     def _attach_lib(self, lib: str) -> Attachment:

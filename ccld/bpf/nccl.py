@@ -220,7 +220,7 @@ class NcclTranslator:
         self._out = out
         hdr = records.view(rows[:, :records.HEADER_SIZE].copy(), records.HDR_DTYPE)
         tgid = hdr["tgid"].astype(np.int64)
-        known = np.isin(tgid, self._pids)
+        known = records.member(tgid, self._pids)
         if not known.all():  # processes we were told to forget; their probes are being detached
             rows, kinds = rows[known], kinds[known]
         if self._plugin_since:
@@ -235,7 +235,7 @@ class NcclTranslator:
                 rows, kinds = rows[~left], kinds[~left]
         if self._c10d:
             pids = records.view(rows[:, :records.HEADER_SIZE].copy(), records.HDR_DTYPE)["tgid"].astype(np.int64)
-            left = (kinds == COLL) & np.isin(pids, np.array(sorted(self._c10d), np.int64))
+            left = (kinds == COLL) & records.member(pids, sorted(self._c10d))
             if left.any():
                 self.counters["left_to_c10d"] += int(np.count_nonzero(left))
                 rows, kinds = rows[~left], kinds[~left]

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ccld import wire as ev
+from ccld.bpf import records
 from ccld.bpf.kernel_family import KernelFamily, set_bit
 from ccld.bpf.progcache import NET_BTF
 from ccld.errors import EnvironmentProblem
@@ -124,7 +125,7 @@ class NetFamily(KernelFamily):
         sk = keys.view(np.uint64).reshape(-1)
         tgid = vals[:, 0:4].copy().view(np.uint32).reshape(-1).astype(np.int64)
         state = vals[:, 12:16].copy().view(np.int32).reshape(-1)
-        traced = np.isin(tgid, np.fromiter(self.attached, np.int64, len(self.attached)))
+        traced = records.member(tgid, np.fromiter(self.attached, np.int64, len(self.attached)))
         gone = ~traced | (state == TCP_CLOSE)
         moved = np.ones(len(sk), bool)
         if len(self._last_sk) and len(sk):

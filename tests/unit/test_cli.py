@@ -112,40 +112,54 @@ def test_agent_spool_bound_must_be_positive():
     assert r.returncode == 1 and "--spool-max-mb must be positive" in r.stderr
 
 
+def _signalled_child(wait, sig, delay_s: float) -> bool:
+    """Fork a child that installs the stop handler, says it is ready, then exits 7 if wait(flag) says
+    stop; send it `sig` `delay_s` after it is ready. True when it exited 7 within 5 s (else killed)."""
+    from ccld.commands import _on_signal
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            done = _on_signal()
+            os.write(w, b"r")
+            os._exit(7 if wait(done) else 3)
+        finally:
+            os._exit(1)
+    os.close(w)
+    assert os.read(r, 1) == b"r"
+    os.close(r)
+    time.sleep(delay_s)
+    os.kill(pid, sig)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            assert os.waitstatus_to_exitcode(status) == 7
+            return True
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return False
+
+
+def test_a_stop_signal_ends_a_long_wait_at_once():
+    """The waiting main thread sleeps in select() on the signal wake-up pipe, not in 0.1 s naps: one
+    wait of 30 s ends when SIGTERM comes (the old time.sleep slept it out), and it says stop."""
+    assert _signalled_child(lambda done: done.wait(30), signal.SIGTERM, 0.2), \
+        "a 30 s wait did not end when SIGTERM came"
+
+
+def _spin(done) -> bool:
+    while not done.wait(0):
+        pass
+    return True
+
+
 def test_a_stop_signal_never_deadlocks_the_waiting_main_thread():
     """The collector's and agent's Ctrl-C handler ran threading.Event.set(), which takes the lock the
     main thread's Event.wait() holds between bytecodes: a signal landing there hung the process (CI,
     twice). Here a child polls the flag as fast as it can while SIGINT comes at varied moments; with
     the Event, about 2 in 3 children hung."""
-    from ccld.commands import _on_signal
-    hung = 0
-    for i in range(40):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: handler, ready byte, spin on the flag, exit 7 once it is set
-            try:
-                os.close(r)
-                done = _on_signal()
-                os.write(w, b"r")
-                while not done.wait(0):
-                    pass
-                os._exit(7)
-            finally:
-                os._exit(1)
-        os.close(w)
-        assert os.read(r, 1) == b"r"
-        os.close(r)
-        time.sleep(0.002 * (i % 5))
-        os.kill(pid, signal.SIGINT)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            got, status = os.waitpid(pid, os.WNOHANG)
-            if got:
-                assert os.waitstatus_to_exitcode(status) == 7
-                break
-            time.sleep(0.01)
-        else:
-            hung += 1
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+    hung = sum(not _signalled_child(_spin, signal.SIGINT, 0.002 * (i % 5)) for i in range(40))
     assert hung == 0, f"{hung} of 40 children hung in their stop handler"
