@@ -34,27 +34,25 @@ from ccld.tracer.spool import DEFAULT_MAX_BYTES as DEFAULT_SPOOL_BYTES, Spool
 log = logging.getLogger("ccld.agent")
 
 POLL_MS = 500             # ring-buffer drain period: records wait at most this long in the kernel, a hang is
-                          # judged over seconds (its floor is >= 3 s, and the collector reads a node's data as
-                          # complete up to its last RankState, sent once a second), and a drain's cost is
-                          # mostly fixed: ~0.6-0.8 ms of numpy calls in the gloo translator, a frame
-                          # in the shipper, 1.6-3.7x what a hot loop of the same calls takes, because after a
-                          # sleep the caches are cold (bench/agent_cost.py's cold column). At 250 ms these
-                          # costs were about half of the agent's CPU on a busy job: 500 ms took it from
-                          # 0.93 to 0.68 % of a core (agent_cost's busy rows). The collector's cost is per
-                          # frame too (bench/collector_scale.py)
+                          # judged over seconds (floor >= 3 s; a node's data counts as complete up to its last
+                          # RankState, sent once a second), and a drain's cost is mostly fixed (numpy calls in
+                          # the translator, a frame in the shipper; 1.6-3.7x a hot loop's, caches being cold
+                          # after the sleep): 250 -> 500 ms took the agent from 0.93 to 0.68 % of a core on a
+                          # busy job (bench/agent_cost.py). The collector's cost is per frame too
 FAST_POLL_MS = 125        # ... but while records come fast enough to fill more than FAST_SHARE of a ring
 FAST_SHARE = 0.25         # buffer in POLL_MS (or a drain took that much), the next drain comes this soon (a
                           # burst: gloo's 16 MiB ring holds 1.3 s of 20,000 collectives/s, bench/burst.py)
 SCAN_INTERVAL_MS = 200    # new ranks are attached within this (+ attach time) of mapping libtorch ...
 IDLE_SCAN_INTERVAL_MS = 1000  # ... while ranks come and go; once the set is stable for STABLE_S, scan
 STABLE_S = 30.0               # /proc less often (a full scan reads every /proc/PID/stat: ~1 % of a core)
+WALK_EVERY_S = 5.0        # once stable, /proc is walked for new ranks only when a pid was given out (Agent._walk_due),
+                          # and at least this often (a process that execs into a rank makes no new pid)
 PROC_INTERVAL_S = 1.0     # /proc state of each rank, shipped as liveness and "what it is doing"
 ANNOUNCE_S = 10.0         # re-send hello and ranks so a restarted collector relearns the job
 NEG_CACHE_LIMIT = 65536   # remembered non-rank processes (by pid+cmdline) in --discover mode
 MAPS_RECHECK_S = 10.0     # a rank's /proc/PID/maps (thousands of lines with torch) is read again when its
                           # address space grew (a library mapped), or at the latest this often
-NIC_INTERVAL_S = 5.0      # RDMA port counters (sysfs, cumulative): a slow or erroring link shows within
-                          # seconds, and ~50 file reads per port every 5 s cost nothing measurable
+NIC_INTERVAL_S = 5.0      # RDMA port counters (sysfs, cumulative; ~50 file reads per port): seconds are enough
 
 
 def poll_after(busiest: float, since_ms: float, poll_ms: int = POLL_MS) -> int:
@@ -115,6 +113,8 @@ class Agent:
         self.bpf_problem: Optional[EnvironmentProblem] = None
         self._not_ranks: Dict[Tuple[int, str], None] = {}
         self._tree = discover.ProcTree()  # parents read once per process, not every scan
+        self._walked: Tuple[int, float] = (-1, 0.0)  # last_pid before the last walk for candidates, and when
+        self._walk_again = True  # that walk met a new process (it may still exec): the next scan walks too
         self._stop = threading.Event()
         self._stopped = False
         self._last_change = time.monotonic()  # when a rank last appeared, left or got its probes
@@ -284,12 +284,26 @@ class Agent:
         # as a worker forked by a rank does: a launcher is never a rank.
         return set(roots) | self._tree.descendants(roots, discover.list_pids())
 
+    def _walk_due(self, now: float) -> bool:
+        """Whether this scan walks /proc for candidates (every process of the node: ms a second where
+        hundreds run). Once stable, only after a pid was given out or a walk met a new process, or
+        WALK_EVERY_S after the last."""
+        last = discover.last_pid()
+        pid_then, at = self._walked
+        if (self._walk_again or last < 0 or last != pid_then or now - at >= WALK_EVERY_S
+                or now - self._last_change < STABLE_S):
+            self._walked = (last, now)
+            return True
+        return False
+
     def _scan(self, now: float) -> None:
-        cands = self._candidates()
+        cands = self._candidates() if self._walk_due(now) else set()
+        self._walk_again = False
         for pid in cands - set(self.ranks):
             key = (pid, discover._cmdline(pid))
             if key in self._not_ranks:
                 continue
+            self._walk_again = True  # a process first seen: it may still exec (the walk after catches it)
             ident = discover.identify(pid)
             if ident is None:
                 if len(self._not_ranks) >= NEG_CACHE_LIMIT:

@@ -134,6 +134,17 @@ def list_pids(proc: str = "/proc") -> Dict[int, int]:
         return {int(d.name): d.inode() for d in it if d.name.isdigit()}
 
 
+def last_pid(proc: str = "/proc") -> int:
+    """The pid the kernel gave out last in this pid namespace (PROC/loadavg's last field; -1 when it
+    cannot be read): unchanged between two reads, no process or thread was created in between, here
+    or in any pid namespace below this one (a process there has a pid here too)."""
+    try:
+        with open(os.path.join(proc, "loadavg"), "rb") as f:
+            return int(f.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 class ProcTree:
     """descendants() for an agent that asks every scan: each process's parent and start time are read
     from PROC/PID/stat once, when its pid first shows up, not on every scan (a full read of every

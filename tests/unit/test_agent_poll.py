@@ -2,6 +2,7 @@
 FAST_SHARE of a ring buffer (a burst), back to POLL_MS once the drains are small again. The real agent
 loop with a stand-in family (no eBPF); real ZeroMQ."""
 import os
+import subprocess
 import threading
 import time
 import types
@@ -93,3 +94,47 @@ def test_the_drain_period_can_be_set_and_a_bad_one_is_named(monkeypatch):
             Agent("tcp://127.0.0.1:9", pids=[os.getpid()], use_bpf=False, say=lambda s: None, time_service="off")
     monkeypatch.delenv("CCLD_DRAIN_MS")
     assert drain_ms_from_env() == POLL_MS
+
+
+def test_a_stable_agent_walks_proc_for_ranks_only_after_a_new_pid_or_every_few_seconds(monkeypatch):
+    from ccld.tracer import agent as agent_mod, discover
+    agent = Agent("tcp://127.0.0.1:9", pids=[os.getpid()], use_bpf=False, say=lambda s: None, time_service="off")
+    try:
+        walks = []
+        real = agent._candidates
+        monkeypatch.setattr(agent, "_candidates", lambda: walks.append(1) or real())
+        last = [1000]
+        monkeypatch.setattr(discover, "last_pid", lambda proc="/proc": last[0])
+        t = time.monotonic()
+        agent._last_change = t - agent_mod.STABLE_S - 1  # the ranks' set has been stable
+
+        def walked(at: float) -> bool:
+            n = len(walks)
+            agent._scan(at)
+            return len(walks) > n
+        # the first walk meets this test's process (no rank): it may still exec, so the next walks too
+        assert walked(t) and walked(t + 1)
+        assert not walked(t + 2) and not walked(t + 3)      # no pid given out since: nothing new to find
+        last[0] += 1
+        assert walked(t + 4) and not walked(t + 4.5)        # a process (or thread) was made
+        assert walked(t + 4 + agent_mod.WALK_EVERY_S)       # an exec makes no pid: walked every few s
+        last[0] = -1
+        assert walked(t + 10) and walked(t + 10.5)          # loadavg unreadable: every scan, as before
+        last[0] = 2000
+        agent._last_change = t + 10                         # a rank came or went: not stable
+        assert walked(t + 11) and walked(t + 11.2) and walked(t + 11.4)
+    finally:
+        agent.shipper.close()
+
+
+def test_last_pid_moves_when_a_process_is_made(tmp_path):
+    from ccld.tracer import discover
+    before = discover.last_pid()
+    assert before > 0
+    subprocess.run(["true"], check=True)
+    assert discover.last_pid() != before
+    (tmp_path / "loadavg").write_text("0.50 0.40 0.30 2/345 67890\n")
+    assert discover.last_pid(str(tmp_path)) == 67890
+    (tmp_path / "loadavg").write_text("garbage")
+    assert discover.last_pid(str(tmp_path)) == -1
+    assert discover.last_pid(str(tmp_path / "nowhere")) == -1
