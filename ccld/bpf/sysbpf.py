@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import errno
+import functools
 import os
 from typing import Optional, Sequence, Tuple
 
@@ -92,6 +93,7 @@ _libc.ioctl.restype = ct.c_int
 _libc.ioctl.argtypes = [ct.c_int, ct.c_ulong, ct.c_ulong]
 
 
+@functools.lru_cache(maxsize=None)  # a syscall's number: looked up once, not per map read of every drain
 def _numbers() -> Tuple[int, int]:
     machine = os.uname().machine
     if machine not in _NR:
@@ -103,13 +105,19 @@ def _addr(obj) -> int:
     return ct.addressof(obj) if obj is not None else 0
 
 
+def _call(cmd: int, attr: ct.Structure) -> Tuple[int, int]:
+    """bpf(cmd, &attr, sizeof attr) as (result, 0), or (-1, errno): the drains' expected ENOENT (a
+    map's end, no such key) is no exception."""
+    res = _libc.syscall(ct.c_long(_numbers()[0]), ct.c_long(cmd), ct.byref(attr), ct.c_ulong(ct.sizeof(attr)))
+    return (int(res), 0) if res >= 0 else (-1, ct.get_errno())
+
+
 def bpf(cmd: int, attr: ct.Structure) -> int:
     """bpf(cmd, &attr, sizeof attr): its result, or an OSError."""
-    res = _libc.syscall(ct.c_long(_numbers()[0]), ct.c_long(cmd), ct.byref(attr), ct.c_ulong(ct.sizeof(attr)))
+    res, err = _call(cmd, attr)
     if res < 0:
-        err = ct.get_errno()
         raise OSError(err, os.strerror(err))
-    return int(res)
+    return res
 
 
 def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, flags: int, name: str) -> int:
@@ -145,13 +153,10 @@ def prog_load(prog_type: int, insns: bytes, license: str, kern_version: int, nam
 
 def _found(cmd: int, attr: ct.Structure) -> bool:
     """bpf(cmd): True when done, False when the map has no such key (ENOENT); other errors raise."""
-    try:
-        bpf(cmd, attr)
-        return True
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            return False
-        raise
+    res, err = _call(cmd, attr)
+    if res >= 0 or err == errno.ENOENT:
+        return res >= 0
+    raise OSError(err, os.strerror(err))
 
 
 def map_lookup(fd: int, key, value) -> bool:
@@ -177,11 +182,10 @@ def lookup_batch(fd: int, in_batch, out_batch, keys, values, count: int) -> Tupl
     """BPF_MAP_LOOKUP_BATCH of up to `count` entries from `in_batch` (None: the start):
     (errno, entries read); errno 0 when more may follow, ENOENT when the map's end was reached."""
     attr = _Batch(_addr(in_batch), _addr(out_batch), _addr(keys), _addr(values), count, fd)
-    try:
-        bpf(BPF_MAP_LOOKUP_BATCH, attr)
+    res, err = _call(BPF_MAP_LOOKUP_BATCH, attr)
+    if res >= 0:
         return 0, attr.count
-    except OSError as e:
-        return e.errno or 0, attr.count if e.errno == errno.ENOENT else 0  # ENOENT: the last entries came with it
+    return err, attr.count if err == errno.ENOENT else 0  # ENOENT: the last entries came with it
 
 
 def _perf_event_open(attr: _PerfAttr, pid: int, cpu: int, what: str) -> int:
