@@ -23,8 +23,8 @@ class StopFlag:
     """Set by SIGINT/SIGTERM, read by the main loop. Lock-free on purpose: a threading.Event's set()
     takes the lock its wait() holds between bytecodes, so a signal landing there deadlocked the main
     thread in its own handler (the collector then never stopped: seen twice in CI). The waiter sleeps
-    in select() on a pipe that the interpreter's C-level signal handler writes to (signal.set_wakeup_fd):
-    a stop ends the wait at once, also when the signal came just before select() began (the byte is
+    in poll() on a pipe that the interpreter's C-level signal handler writes to (signal.set_wakeup_fd):
+    a stop ends the wait at once, also when the signal came just before poll() began (the byte is
     already there), and a waiting agent or collector does not wake ten times a second to look."""
 
     def __init__(self) -> None:
@@ -32,6 +32,8 @@ class StopFlag:
         self._r, self._w = os.pipe()
         for fd in (self._r, self._w):
             os.set_blocking(fd, False)
+        self._poll = select.poll()  # not select(): no FD_SETSIZE limit on a collector with many sockets
+        self._poll.register(self._r, select.POLLIN)
 
     def wake_on_signals(self) -> None:
         """Main thread only: every signal with a Python handler writes a byte to this flag's pipe."""
@@ -44,8 +46,7 @@ class StopFlag:
         """True once set; else sleeps up to `timeout` (less when a signal comes) and says whether it
         is set now."""
         if not self._got and timeout > 0:
-            ready = select.select([self._r], [], [], timeout)[0]
-            if ready:  # drain, so that a signal that did not set the flag does not keep waking us
+            if self._poll.poll(timeout * 1000):  # drained: a signal that set no flag must not keep waking us
                 try:
                     os.read(self._r, 512)
                 except OSError:
@@ -71,7 +72,7 @@ def _on_signal() -> StopFlag:
 
 
 def _wait_for(done: StopFlag) -> None:
-    # The signal's byte ends select() at once; the Python handler that sets the flag runs right after
+    # The signal's byte ends poll() at once; the Python handler that sets the flag runs right after
     # it, before the next wait. The timeout only bounds a wait whose byte was lost (a full pipe).
     while not done.wait(WAIT_SLICE_S):
         pass

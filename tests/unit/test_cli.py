@@ -144,7 +144,7 @@ def _signalled_child(wait, sig, delay_s: float) -> bool:
 
 
 def test_a_stop_signal_ends_a_long_wait_at_once():
-    """The waiting main thread sleeps in select() on the signal wake-up pipe, not in 0.1 s naps: one
+    """The waiting main thread sleeps in poll() on the signal wake-up pipe, not in 0.1 s naps: one
     wait of 30 s ends when SIGTERM comes (the old time.sleep slept it out), and it says stop."""
     assert _signalled_child(lambda done: done.wait(30), signal.SIGTERM, 0.2), \
         "a 30 s wait did not end when SIGTERM came"
