@@ -235,7 +235,7 @@ class NcclTranslator:
                 rows, kinds = rows[~left], kinds[~left]
         if self._c10d:
             pids = records.view(rows[:, :records.HEADER_SIZE].copy(), records.HDR_DTYPE)["tgid"].astype(np.int64)
-            left = (kinds == COLL) & records.member(pids, sorted(self._c10d))
+            left = (kinds == COLL) & records.member(pids, list(self._c10d))
             if left.any():
                 self.counters["left_to_c10d"] += int(np.count_nonzero(left))
                 rows, kinds = rows[~left], kinds[~left]

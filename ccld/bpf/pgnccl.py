@@ -109,7 +109,7 @@ class PgncclTranslator:
     def _works(self, out: Builder, r: np.ndarray) -> None:
         pid = r["hdr"]["tgid"].astype(np.int64)
         ts = r["hdr"]["ts_ns"].astype(np.int64)
-        keep = records.member(pid, sorted(self.procs))  # not a process we were told to forget
+        keep = records.member(pid, list(self.procs))  # not a process we were told to forget
         if self._plugin_since:
             since = np.array([self._plugin_since.get(p, 1 << 62) for p in pid.tolist()], np.int64)
             left = keep & (ts >= since)
