@@ -54,6 +54,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 GOAL_PER_S = 20_000       # issue 16: collective calls per second on the node
+AGENT_GOAL_RATE = 1_000   # issue 16: the agent's CPU goal holds at this many collectives/s on the node ...
+AGENT_GOAL_PCT = 0.5      # ... as a share of one core (percent)
 DEFAULT_RATE = 21_000     # what the job offers by default: the goal and 5 % (pacing is exact, clocks are not)
 CHECK_EVERY = 256         # calls between a rank's looks at its clock (the stop flag rides in that call)
 READY_TIMEOUT_S = 120     # the ranks' torch import + the agent's compile and attach, on a loaded box
@@ -294,6 +296,7 @@ def run_jobs(n: int, world: int, seconds: float, rate: float, elems: int, tmp: s
             child.stdin.flush()
             out["agent"] = json.loads(child.stdout.readline())
             child.wait(60)
+            out["collector_rss_mib"] = rss_of(coll.pid)
             coll.terminate()
             coll.wait(60)
     finally:
@@ -313,6 +316,19 @@ def run_jobs(n: int, world: int, seconds: float, rate: float, elems: int, tmp: s
         out["verdict"] = verdict(out["jobs"], [back["completed"].get(name, 0) for name in names],
                                  back["enters"], back["ends"])
     return out
+
+
+def rss_of(pid: int) -> Tuple[Optional[float], Optional[float]]:
+    """A live process's resident memory now and at its peak (VmRSS, VmHWM), MiB; None when unknown."""
+    got: Dict[str, float] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    got[line[:5]] = int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return got.get("VmRSS"), got.get("VmHWM")
 
 
 def losses(r: Dict[str, Any]) -> Dict[str, int]:
@@ -350,7 +366,9 @@ def figures(bare: Optional[Dict[str, Any]], r: Dict[str, Any]) -> Dict[str, Any]
     return {"bare_rate": bare["rate"] if bare else None, "rate": r["rate"], "calls": r["calls"], "wall_s": r["wall_s"],
             "events": a["events"], "events_per_s": a["events"] / r["wall_s"],
             "agent_cpu": r["agent_cpu_burst"], "us_per_event": a["cpu_s"] / a["events"] * 1e6 if a["events"] else None,
-            "agent_rss_mib": a.get("maxrss_mib"), "catchup_s": r["catchup_s"],
+            "agent_rss_mib": (a.get("rss_mib"), a.get("maxrss_mib")),
+            "collector_rss_mib": r.get("collector_rss_mib") or (None, None),
+            "catchup_s": r["catchup_s"],
             "bpf_cpu": bpf_ns / 1e9 / r["wall_s"], "hits_per_call": hits / r["calls"] if r["calls"] else None,
             "bpf_ns_per_call": bpf_ns / r["calls"] if r["calls"] else None,
             "progs": {k: (t / n, n / r["calls"]) for k, (t, n) in sorted(progs.items()) if n},
@@ -374,9 +392,11 @@ def table(f: Dict[str, Any], r: Dict[str, Any], names: List[str]) -> List[str]:
         f"| every call arrived | **{'yes' if v['all_arrived'] else 'no'}** |",
         f"| events shipped by the agent (go -> stop) | {f['events']:,} ({f['events_per_s']:,.0f}/s of burst; "
         f"in the store: enter/start/end {kinds}) |",
-        f"| agent CPU over the burst (/proc/PID/stat) | {f['agent_cpu'] * 100:.1f} % of one core |",
+        f"| agent CPU over the burst (/proc/PID/stat) | {f['agent_cpu'] * 100:.2f} % of one core |",
         f"| agent CPU per shipped event (catch-up included) | {f['us_per_event']:.2f} us |",
         f"| agent backlog after the job (store still growing) | {f['catchup_s']:.1f} s |",
+        f"| resident memory at the end (peak): agent / collector (separate processes) | "
+        f"{mib(*f['agent_rss_mib'])} / {mib(*f['collector_rss_mib'])} |",
         f"| BPF programs (bpf_stats) | {f['bpf_cpu'] * 100:.1f} % of one core; {f['hits_per_call']:.2f} hits and "
         f"{f['bpf_ns_per_call']:,.0f} ns per call |",
         f"| losses, by counter | {lost or 'none: every counter 0'} |",
@@ -387,6 +407,10 @@ def table(f: Dict[str, Any], r: Dict[str, Any], names: List[str]) -> List[str]:
         rows.append(f"| {name} | {len(j)} | {p['calls']:,} | {sum(d['rate'] for d in j.values()):,.0f}/s | "
                     f"{p['completed']:,} | {'?' if p['missing'] is None else format(p['missing'], ',')} |")
     return rows
+
+
+def mib(now: Optional[float], peak: Optional[float]) -> str:
+    return f"{'?' if now is None else format(now, '.0f')} MiB ({'?' if peak is None else format(peak, '.0f')})"
 
 
 def causes(f: Dict[str, Any]) -> List[str]:
@@ -418,9 +442,17 @@ def write_results(f: Dict[str, Any], r: Dict[str, Any], a: argparse.Namespace, c
     else:
         said = (f"{v['calls'] - min(v['enters'], v['ends']):,} of {v['calls']:,} calls did not reach the "
                 f"collector whole; the counters above account for them" + "".join(causes(f)))
-    reached = "meets" if f["rate"] >= GOAL_PER_S else "does not meet"
-    paragraph = (f"What it shows: the job offered {f['rate']:,.0f} collective calls/s on the node (it {reached} the "
-                 f"{GOAL_PER_S:,}/s goal) for {f['wall_s']:.0f} s, and {said}. The agent took "
+    if f["rate"] >= GOAL_PER_S:
+        against = f"it meets the {GOAL_PER_S:,}/s goal"
+    elif a.rate and a.rate < GOAL_PER_S:  # a paced rate below the burst goal: the agent's cost at that rate
+        cpu = f["agent_cpu"] * 100
+        against = (f"paced there on purpose: issue 16's agent goal is <= {AGENT_GOAL_PCT} % of a core at "
+                   f"{AGENT_GOAL_RATE:,} collectives/s, {'met' if cpu <= AGENT_GOAL_PCT else 'not met'} here at "
+                   f"{cpu:.2f} %")
+    else:
+        against = f"it does not meet the {GOAL_PER_S:,}/s goal"
+    paragraph = (f"What it shows: the job offered {f['rate']:,.0f} collective calls/s on the node ({against}) "
+                 f"for {f['wall_s']:.0f} s, and {said}. The agent took "
                  f"{f['agent_cpu'] * 100:.1f} % of a core to ship {f['events_per_s']:,.0f} events/s "
                  f"({f['us_per_event']:.2f} us per event), draining the rings every {POLL_MS} ms; gloo's ring holds "
                  f"1.3 s of 20,000 collectives/s (16 MiB; ccld/bpf/gloo.bpf.c says why it is not 4 MiB).")
