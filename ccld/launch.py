@@ -138,6 +138,10 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
         raise CcldError("nothing to run: give a command after --, e.g. ccld run -- torchrun --nproc-per-node 4 train.py")
     from ccld.tracer.agent import drain_ms_from_env
     drain_ms_from_env()  # a bad CCLD_DRAIN_MS is named before the job starts, not after
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a pod's env (PyTorchJob): discover.runs_training
+        say(f"ccld: note: this environment sets RANK={os.environ['RANK']} WORLD_SIZE={os.environ['WORLD_SIZE']}; "
+            "a Python command that keeps them is traced as that rank, a launcher (torchrun, deepspeed, "
+            "accelerate) is not (its workers are)")
     tmp_store = None
     if perfetto and collector_addr:
         say(f"ccld: note: --perfetto belongs to the collector at {collector_addr}; ignored here")

@@ -279,9 +279,9 @@ class Agent:
             return set(discover.all_pids())
         roots = ([self.root_pid] if self.root_pid is not None else []) + list(self.pids)
         # The command `ccld run` started is a candidate too (`ccld run -- env RANK=0 ... python train.py`,
-        # a wrapper that exports RANK). One whose RANK ccld's own environment holds as well (a pod's
-        # `ccld run -- torchrun`, torchrun getting the pod's node rank) fails identify's parent check,
-        # as a worker forked by a rank does: a launcher is never a rank.
+        # a wrapper that exports RANK). One whose RANK ccld's own environment holds as well (a pod's)
+        # is the rank when it is Python running no known launcher (`python train.py`), else (torchrun
+        # given the pod's node rank) it fails identify's parent check as a rank's forked worker does.
         return set(roots) | self._tree.descendants(roots, discover.list_pids())
 
     def _walk_due(self, now: float) -> bool:

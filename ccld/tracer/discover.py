@@ -2,7 +2,9 @@
 
 A rank is a process whose environment has RANK and WORLD_SIZE (torchrun, SLURM via torchrun, and
 most launchers set them). Forked children of a rank (DataLoader workers) inherit that environment;
-they are not ranks, so a process whose parent carries the same rank identity is skipped.
+they are not ranks, so a process whose parent carries the same rank identity is skipped; except the
+command `ccld run` started when ccld itself holds that identity, where a Python program that is not a
+known launcher is the rank (runs_training).
 Caveat: reading another user's /proc/PID/environ needs root or ptrace rights; such processes are
 reported as unreadable, not silently skipped.
 """
@@ -88,11 +90,53 @@ def identify(pid: int) -> Optional[RankIdentity]:
     if rank < 0 or world <= 0:
         return None
     addr, port = env.get("MASTER_ADDR", ""), _int(env, "MASTER_PORT", 0)
-    parent = read_environ(ppid_of(pid))
+    ppid = ppid_of(pid)
+    parent = read_environ(ppid)
     if parent and all(parent.get(k) == env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return None  # a worker forked by a rank (e.g. a DataLoader worker), not a rank itself
+        if ppid != os.getpid() or not runs_training(read_argv(pid)):
+            return None  # a worker forked by a rank (e.g. a DataLoader worker), not a rank itself
+        # else: the command `ccld run` (this process) started, holding our own RANK (a pod's one process)
     job = env.get("CCLD_JOB") or (f"{addr}:{port}" if addr else env.get("TORCHELASTIC_RUN_ID", "job"))
     return RankIdentity(pid, rank, world, _int(env, "LOCAL_RANK", rank), addr, port, job, _cmdline(pid))
+
+
+# Launchers whose process carries its environment's RANK but is not a rank (its workers are): by
+# script name (torchrun's console script, ...) or by the module given to `python -m`.
+LAUNCHER_SCRIPTS = frozenset({"torchrun", "deepspeed", "accelerate", "colossalai", "horovodrun", "lightning"})
+LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch", "deepspeed.launcher.runner",
+                              "deepspeed.launcher.launch", "accelerate.commands.launch",
+                              "accelerate.commands.accelerate_cli", "horovod.runner.launch"})
+_PYTHON = re.compile(r"python[0-9.]*")
+_OPT_WITH_ARG = frozenset({"-W", "-X", "-Q"})  # interpreter options whose value is the next argument
+
+
+def read_argv(pid: int) -> List[str]:
+    """A process's arguments (/proc/PID/cmdline), [] when it is gone or unreadable."""
+    try:
+        raw = read_small(f"/proc/{pid}/cmdline")
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def runs_training(argv: List[str]) -> bool:
+    """Whether a command line is a Python interpreter running a program that is not a known launcher
+    (LAUNCHER_SCRIPTS, LAUNCHER_MODULES): `python train.py`, `python -m mypkg.train`, `python -c ...`.
+    This decides the one case the environment cannot: `ccld run -- CMD` where ccld's own environment
+    holds RANK and WORLD_SIZE too (a Kubernetes PyTorchJob sets them for a pod's process), so CMD is
+    either that rank (`python train.py`) or a launcher given the node's rank (`torchrun ...`). A shell
+    or another wrapper is neither: the Python it starts then looks like a worker of it and is not
+    traced (README, Limits, says how to run such a pod)."""
+    if not argv or not _PYTHON.fullmatch(os.path.basename(argv[0])):
+        return False
+    i = 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
+        if argv[i] == "-m":
+            return i + 1 < len(argv) and argv[i + 1] not in LAUNCHER_MODULES
+        if argv[i].startswith("-c"):
+            return True
+        i += 2 if argv[i] in _OPT_WITH_ARG else 1
+    return i < len(argv) and os.path.basename(argv[i]) not in LAUNCHER_SCRIPTS
 
 
 def is_rank(pid: int, rank: int) -> bool:
