@@ -4,54 +4,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import socket
 import sys
 from typing import Any, Iterator, Optional, Tuple
 
 from ccld.errors import CcldError
-
-WAIT_SLICE_S = 5.0  # the longest a stop could wait were its signal's wake-up byte lost
-
+from ccld.launch import WAIT_SLICE_S, StopFlag
 
 def _say(line: str) -> None:
     print(line, flush=True)
-
-
-class StopFlag:
-    """Set by SIGINT/SIGTERM, read by the main loop. Lock-free on purpose: a threading.Event's set()
-    takes the lock its wait() holds between bytecodes, so a signal landing there deadlocked the main
-    thread in its own handler (the collector then never stopped: seen twice in CI). The waiter sleeps
-    in poll() on a pipe that the interpreter's C-level signal handler writes to (signal.set_wakeup_fd):
-    a stop ends the wait at once, also when the signal came just before poll() began (the byte is
-    already there), and a waiting agent or collector does not wake ten times a second to look."""
-
-    def __init__(self) -> None:
-        self._got: list = []  # list.append is atomic and takes no lock a waiter could hold
-        self._r, self._w = os.pipe()
-        for fd in (self._r, self._w):
-            os.set_blocking(fd, False)
-        self._poll = select.poll()  # not select(): no FD_SETSIZE limit on a collector with many sockets
-        self._poll.register(self._r, select.POLLIN)
-
-    def wake_on_signals(self) -> None:
-        """Main thread only: every signal with a Python handler writes a byte to this flag's pipe."""
-        signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
-
-    def set(self) -> None:
-        self._got.append(True)
-
-    def wait(self, timeout: float) -> bool:
-        """True once set; else sleeps up to `timeout` (less when a signal comes) and says whether it
-        is set now."""
-        if not self._got and timeout > 0:
-            if self._poll.poll(timeout * 1000):  # drained: a signal that set no flag must not keep waking us
-                try:
-                    os.read(self._r, 512)
-                except OSError:
-                    pass
-        return bool(self._got)
 
 
 def _on_signal() -> StopFlag:

@@ -13,6 +13,7 @@ alone takes longer), so the process-group constructors and the first collectives
 from __future__ import annotations
 
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -26,6 +27,55 @@ from ccld.errors import CcldError
 
 STOP_GRACE_S = 10.0   # torchrun forwards SIGTERM to its workers and waits for them; give it time
 DRAIN_S = 0.5         # after the command exits: let the last frames reach the collector
+WAIT_SLICE_S = 5.0    # the longest a stop could wait were its signal's wake-up byte lost
+NAP_S = 0.1           # `ccld run`'s wait for its command where the kernel has no pidfd (before 5.3)
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM, read by the main loop. Lock-free on purpose: a threading.Event's set()
+    takes the lock its wait() holds between bytecodes, so a signal landing there deadlocked the main
+    thread in its own handler (the collector then never stopped: seen twice in CI). The waiter sleeps
+    in poll() on a pipe that the interpreter's C-level signal handler writes to (signal.set_wakeup_fd):
+    a stop ends the wait at once, also when the signal came just before poll() began (the byte is
+    already there), and a waiting agent or collector does not wake ten times a second to look."""
+
+    def __init__(self) -> None:
+        self._got: list = []  # list.append is atomic and takes no lock a waiter could hold
+        self._r, self._w = os.pipe()
+        for fd in (self._r, self._w):
+            os.set_blocking(fd, False)
+        self._poll = select.poll()  # not select(): no FD_SETSIZE limit on a collector with many sockets
+        self._poll.register(self._r, select.POLLIN)
+
+    def wake_on_signals(self) -> int:
+        """Main thread only: every signal with a Python handler writes a byte to this flag's pipe.
+        Returns the wake-up fd it replaces (signal.set_wakeup_fd(old) puts it back)."""
+        return signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+
+    def watch(self, fd: int) -> None:
+        """wait() also ends when `fd` is readable (a job's pidfd: readable once it exited)."""
+        self._poll.register(fd, select.POLLIN)
+
+    def is_set(self) -> bool:
+        return bool(self._got)
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            os.close(fd)
+
+    def set(self) -> None:
+        self._got.append(True)
+
+    def wait(self, timeout: float) -> bool:
+        """True once set; else sleeps up to `timeout` (less when a signal comes) and says whether it
+        is set now."""
+        if not self._got and timeout > 0:
+            if self._poll.poll(timeout * 1000):  # drained: a signal that set no flag must not keep waking us
+                try:
+                    os.read(self._r, 512)
+                except OSError:
+                    pass
+        return bool(self._got)
 
 
 @dataclass
@@ -158,10 +208,10 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
     if use_bpf and len(programs) < len(progcache.PROGRAMS):
         from ccld.tracer.families import load_families
         pre = load_families(use_bpf=use_bpf, programs=programs)
-    interrupted = []
+    done = StopFlag()
 
     def on_signal(signum, _frame):
-        interrupted.append(signum)
+        done.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     from ccld.tracer.relay import Relay
@@ -179,6 +229,7 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
     except BaseException:
         for s_, h in old.items():
             signal.signal(s_, h)
+        done.close()
         for fam, _ in (pre.families if pre is not None else []):
             fam.close()
         for prog in programs.values():
@@ -202,6 +253,7 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
         stop_group(proc)
         for s_, h in old.items():
             signal.signal(s_, h)
+        done.close()
         for fam, _ in (pre.families if pre is not None else []):
             fam.close()
         if tmp_store:
@@ -218,6 +270,7 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
             stop_group(proc)
             for s_, h in old.items():
                 signal.signal(s_, h)
+            done.close()
             close_session(session)
             if tmp_store:
                 shutil.rmtree(tmp_store, ignore_errors=True)
@@ -228,9 +281,8 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
         shown = shown if len(shown) <= 48 else shown[:47] + "…"
         say(f"ccld: tracing `{shown}` (pid {proc.pid}); sources: {', '.join(session.agent.all_sources)}. "
             "Ctrl-C to end")
-        while proc.poll() is None and not interrupted:
-            time.sleep(0.1)
-        if interrupted:
+        _wait_job(proc, done)
+        if done.is_set():
             say("ccld: interrupted; stopping the command")
             if session.collector is not None:
                 session.collector.quiesce()  # ranks our SIGTERM catches mid-step are not a hang
@@ -240,6 +292,7 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        done.close()
         if served is not None:
             served.stop()
         close_session(session)
@@ -250,3 +303,23 @@ def run(cmd: List[str], collector_addr: Optional[str], store: Optional[str], fin
             if perfetto:
                 from ccld.export import export_at_stop
                 export_at_stop(store, perfetto, session.collector.findings, say, remove_store=tmp_store is not None)
+
+
+def _wait_job(proc: subprocess.Popen, done: StopFlag) -> None:
+    """Until the command exits or a stop signal came, asleep in poll() on the command's pidfd and the
+    signal wake-up pipe (the same StopFlag as `ccld agent` and `ccld collector`): no waking ten times a
+    second to look. Without pidfds (a kernel before 5.3), naps of NAP_S."""
+    try:
+        pidfd: Optional[int] = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    old = done.wake_on_signals()
+    try:
+        if pidfd is not None:
+            done.watch(pidfd)
+        while proc.poll() is None and not done.is_set():
+            done.wait(WAIT_SLICE_S if pidfd is not None else NAP_S)
+    finally:
+        signal.set_wakeup_fd(old)
+        if pidfd is not None:
+            os.close(pidfd)
