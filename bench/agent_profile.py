@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0]
 sys.path.insert(0, ROOT)
@@ -39,6 +39,19 @@ def cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_of(pid: int) -> Tuple[Optional[float], Optional[float]]:
+    """A process's resident memory now and at its peak (VmRSS, VmHWM), MiB; None when unknown (gone)."""
+    got: Dict[str, float] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    got[line[:5]] = int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return got.get("VmRSS"), got.get("VmHWM")
 
 
 def thread_cpu(pid: int) -> Dict[str, float]:

@@ -260,7 +260,7 @@ def say(line: str) -> None:
 def run_jobs(n: int, world: int, seconds: float, rate: float, elems: int, tmp: str, traced: bool) -> Dict[str, Any]:
     """Start the jobs; traced: a collector with a store and the agent, attached before the go file;
     run them; traced: let the agent catch up, stop both and read the store back."""
-    from agent_profile import cpu_s
+    from agent_profile import cpu_s, rss_of
     from conftest import free_port
     tag = "traced" if traced else "bare"
     logs = [os.path.join(tmp, f"{tag}-job{i}.log") for i in range(n)]
@@ -316,19 +316,6 @@ def run_jobs(n: int, world: int, seconds: float, rate: float, elems: int, tmp: s
         out["verdict"] = verdict(out["jobs"], [back["completed"].get(name, 0) for name in names],
                                  back["enters"], back["ends"])
     return out
-
-
-def rss_of(pid: int) -> Tuple[Optional[float], Optional[float]]:
-    """A live process's resident memory now and at its peak (VmRSS, VmHWM), MiB; None when unknown."""
-    got: Dict[str, float] = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    got[line[:5]] = int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        pass
-    return got.get("VmRSS"), got.get("VmHWM")
 
 
 def losses(r: Dict[str, Any]) -> Dict[str, int]:

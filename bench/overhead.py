@@ -146,11 +146,9 @@ def prog_times(families) -> Dict[str, Tuple[int, int]]:
 
 
 def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    from agent_profile import rss_of
+    now, _ = rss_of(os.getpid())
+    return float("nan") if now is None else now
 
 
 def child(endpoint: str, pid: int, probes: str, ranks: int) -> None:

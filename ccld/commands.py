@@ -12,6 +12,7 @@ from typing import Any, Iterator, Optional, Tuple
 from ccld.errors import CcldError
 from ccld.launch import WAIT_SLICE_S, StopFlag
 
+
 def _say(line: str) -> None:
     print(line, flush=True)
 
