@@ -311,7 +311,7 @@ def _export(args, store: str) -> int:
     shown = [0.0]
 
     def progress(p) -> None:  # long work says how it goes, on stderr, every PROGRESS_S
-        if p.get("phase") == "findings" or p.get("elapsed_s", 0) - shown[0] >= PROGRESS_S:
+        if p.get("elapsed_s", 0) - shown[0] >= PROGRESS_S:
             shown[0] = p.get("elapsed_s", 0)
             print(progress_line(p), file=sys.stderr, flush=True)
 

@@ -28,75 +28,96 @@ STEP_S = 0.5              # same period as the live collector's detection tick
 MAX_STEPS_PER_GAP = 2000  # bounds the work of an hour-long silence to a few thousand ticks
 
 
+class Replay:
+    """The replay fed one stored frame at a time (feed), in stored order, then finished once (finish):
+    what `replay` does with a store, for a caller that reads the store itself for something else too
+    (`ccld export` writes its trace in the same pass, so the store is read once)."""
+
+    def __init__(self, meta: Dict[str, Any], floor_s: Optional[float] = None, k: float = 4.0,
+                 step_s: float = STEP_S):
+        self.meta, self.step_s = meta, step_s
+        self.tl = Timeline()
+        self.counters = IngestCounters()
+        self.diag = Diagnoser(self.tl, floor_s=floor_s, k=k)
+        self.tracker = FindingTracker()
+        self.findings: List[Finding] = []
+        self.recoveries: List[Dict[str, Any]] = []
+        self.updates: List[Dict[str, Any]] = []
+        self.rejects: List[str] = []  # first few reject messages, for the report
+        self.first: Optional[float] = None
+        self.last: Optional[float] = None
+        self.n = self.backwards = 0
+        self.group: List[Tuple[Any, float]] = []
+        self.next_tick = 0.0
+        # `ccld run` stopped the job on purpose from here on: the live collector ran no detection after it
+        q = meta.get("quiesced_at")
+        self.quiesced: Optional[float] = q if isinstance(q, (int, float)) else None
+
+    def _tick(self, now: float) -> None:
+        changes = self.tracker.step(self.diag.diagnose(now), now)
+        self.findings.extend(changes.new)
+        self.updates.extend(changes.updated)
+        self.recoveries.extend(changes.recovered)
+
+    def _run_until(self, until: float) -> None:
+        step = max(self.step_s, (until - self.next_tick) / MAX_STEPS_PER_GAP)
+        while self.next_tick <= until:
+            self._tick(self.next_tick)
+            self.next_tick += step
+
+    def feed(self, recv: float, frame: bytes) -> None:
+        """One stored record: the frame and when the collector received it (Unix seconds)."""
+        if self.last is not None and recv < self.last:
+            self.backwards += 1  # the collector's wall clock stepped back; keep recorded time monotonic
+            recv = self.last
+        if self.first is None:
+            self.first, self.next_tick = recv, recv + self.step_s
+        until = recv if self.quiesced is None else min(recv, self.quiesced)
+        if self.next_tick <= until or len(self.group) >= LOAD_GROUP:
+            self.tl.ingest_many(self.group)  # the frames since the last tick, together, before the next one looks
+            self.group = []
+        self._run_until(until)
+        batch, err = decode_frame(frame, self.counters)
+        if batch is not None:
+            self.group.append((batch, recv))
+        if err is not None and len(self.rejects) < 20:
+            self.rejects.append(f"record {self.n} ({recv:.3f}): {err.reason}: {err}")
+        self.last = recv
+        self.n += 1
+
+    def finish(self, store_dir: str, problems: List[str]) -> Tuple[Timeline, List[Finding], List[Dict[str, Any]],
+                                                                   Dict[str, Any]]:
+        """(timeline, findings, recoveries, report), after the last frame; problems: what reading the
+        store met (read_store's list)."""
+        self.tl.ingest_many(self.group)
+        self.group = []
+        closed_at = self.meta.get("closed_at")
+        first, last, quiesced = self.first, self.last, self.quiesced
+        if first is not None and last is not None:
+            end = max(last, closed_at) if isinstance(closed_at, (int, float)) else last
+            if quiesced is not None:
+                end = min(end, max(first, quiesced))
+            self._run_until(end)
+            self._tick(end)
+        report = dict(store=os.path.abspath(store_dir), segments=len(list_segments(store_dir)), records=self.n,
+                      problems=problems, first_recv=first, last_recv=last, closed_at=closed_at,
+                      quiesced_at=quiesced, recv_time_backwards=self.backwards, reject_examples=self.rejects,
+                      findings=len(self.findings), recoveries=len(self.recoveries),
+                      active=len(self.tracker.active), updates=self.updates,
+                      recorded_stats=read_stats(store_dir))
+        report.update(self.counters.to_dict())
+        report.update(self.tl.counters())
+        return self.tl, self.findings, self.recoveries, report
+
+
 def replay(store_dir: str, floor_s: Optional[float] = None, k: float = 4.0,
            step_s: float = STEP_S) -> Tuple[Timeline, List[Finding], List[Dict[str, Any]], Dict[str, Any]]:
     """(timeline, findings, recoveries, report). Raises StoreError when the store cannot be read at all."""
     problems: List[str] = []
-    meta = read_meta(store_dir)
-    records = read_store(store_dir, problems)
-    tl = Timeline()
-    counters = IngestCounters()
-    diag = Diagnoser(tl, floor_s=floor_s, k=k)
-    tracker = FindingTracker()
-    findings: List[Finding] = []
-    recoveries: List[Dict[str, Any]] = []
-    updates: List[Dict[str, Any]] = []
-    rejects: List[str] = []  # first few reject messages, for the report
-
-    def tick(now: float) -> None:
-        changes = tracker.step(diag.diagnose(now), now)
-        findings.extend(changes.new)
-        updates.extend(changes.updated)
-        recoveries.extend(changes.recovered)
-
-    def run_until(next_tick: float, until: float) -> float:
-        step = max(step_s, (until - next_tick) / MAX_STEPS_PER_GAP)
-        while next_tick <= until:
-            tick(next_tick)
-            next_tick += step
-        return next_tick
-
-    first = last = None
-    n = backwards = 0
-    group: List[Tuple[Any, float]] = []
-    next_tick = 0.0
-    # `ccld run` stopped the job on purpose from here on: the live collector ran no detection after it
-    quiesced = meta.get("quiesced_at") if isinstance(meta.get("quiesced_at"), (int, float)) else None
-    for recv, frame in records:
-        if last is not None and recv < last:
-            backwards += 1  # the collector's wall clock stepped back; keep recorded time monotonic
-            recv = last
-        if first is None:
-            first, next_tick = recv, recv + step_s
-        until = recv if quiesced is None else min(recv, quiesced)
-        if next_tick <= until or len(group) >= LOAD_GROUP:
-            tl.ingest_many(group)  # the frames since the last tick, together, before the next one looks
-            group = []
-        next_tick = run_until(next_tick, until)
-        batch, err = decode_frame(frame, counters)
-        if batch is not None:
-            group.append((batch, recv))
-        if err is not None and len(rejects) < 20:
-            rejects.append(f"record {n} ({recv:.3f}): {err.reason}: {err}")
-        last = recv
-        n += 1
-    tl.ingest_many(group)
-    closed_at = meta.get("closed_at")
-    if last is not None:
-        end = max(last, closed_at) if isinstance(closed_at, (int, float)) else last
-        if quiesced is not None:
-            end = min(end, max(first, quiesced))
-        run_until(next_tick, end)
-        tick(end)
-    report = dict(store=os.path.abspath(store_dir), segments=len(list_segments(store_dir)), records=n,
-                  problems=problems, first_recv=first, last_recv=last, closed_at=closed_at, quiesced_at=quiesced,
-                  recv_time_backwards=backwards, reject_examples=rejects,
-                  findings=len(findings), recoveries=len(recoveries), active=len(tracker.active),
-                  updates=updates,
-                  recorded_stats=read_stats(store_dir))
-    report.update(counters.to_dict())
-    report.update(tl.counters())
-    return tl, findings, recoveries, report
+    r = Replay(read_meta(store_dir), floor_s, k, step_s)
+    for recv, frame in read_store(store_dir, problems):
+        r.feed(recv, frame)
+    return r.finish(store_dir, problems)
 
 
 def format_report(report: Dict[str, Any], store: bool = True) -> List[str]:

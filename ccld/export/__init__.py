@@ -77,8 +77,6 @@ def _n(x: float) -> str:
 
 
 def progress_line(p: Dict[str, Any]) -> str:
-    if p.get("phase") == "findings":
-        return "ccld export: replaying the store through the detectors for findings"
     total = p.get("bytes_total") or 0
     share = f" ({100 * p['bytes_read'] / total:.0f}% of the store)" if total else ""
     rate = p["events"] / p["elapsed_s"] if p.get("elapsed_s") else 0

@@ -47,20 +47,18 @@ def run_export(store_dir: str, out_path: str, make_sink: Callable[[Any], Any], m
                ranks: Optional[Iterable[int]] = None, progress: Optional[Callable[[Dict[str, Any]], None]] = None,
                findings=None, hang_after: Optional[float] = None) -> Dict[str, Any]:
     """Shared by the Perfetto and Chrome JSON exports: stream the store through a TraceModel into
-    `make_sink(file)`. findings=None replays the store for them (ccld.diagnose.replay); a list
-    (Finding objects or their JSON dicts) is used as given."""
+    `make_sink(file)`. findings=None: the detectors find them in the same pass, each frame fed to a
+    ccld.diagnose.replay.Replay beside the model (replay_s: the time it took); a list (Finding objects
+    or their JSON dicts) is used as given."""
     meta = read_meta(store_dir)  # StoreError now, before any output is made
     if t_from is not None and t_to is not None and t_from > t_to:
         raise ExportError(f"--from {t_from} is after --to {t_to}")
     t0 = time.monotonic()
     replay_s = 0.0
-    if findings is None:
-        from ccld.diagnose.replay import replay
-        if progress:
-            progress({"phase": "findings", "elapsed_s": 0.0})
-        findings = replay(store_dir, floor_s=hang_after)[1]
-        replay_s = time.monotonic() - t0
-    found = findings_dicts(findings)
+    rep = None
+    if findings is None:  # found by the detectors in the same pass as the trace: the store is read once
+        from ccld.diagnose.replay import Replay
+        rep = Replay(meta, floor_s=hang_after)
     total = sum(os.path.getsize(p) for _, p in list_segments(store_dir))
     tmp = out_path + ".tmp"
     try:
@@ -79,7 +77,11 @@ def run_export(store_dir: str, out_path: str, make_sink: Callable[[Any], Any], m
             model = TraceModel(sink, _ns(t_from), _ns(t_to), ranks)
             done = 0
             last = t1
-            for i, (_recv, frame) in enumerate(read_store(store_dir, problems)):
+            for i, (recv, frame) in enumerate(read_store(store_dir, problems)):
+                if rep is not None:
+                    r0 = time.perf_counter()
+                    rep.feed(recv, frame)
+                    replay_s += time.perf_counter() - r0
                 model.feed(frame)
                 done += len(frame) + 12
                 if progress and (i & 63) == 0:
@@ -88,6 +90,11 @@ def run_export(store_dir: str, out_path: str, make_sink: Callable[[Any], Any], m
                         last = now
                         progress({"phase": "write", "events": model.stats["events"], "bytes_read": done,
                                   "bytes_total": total, "elapsed_s": now - t1})
+            if rep is not None:
+                r0 = time.perf_counter()
+                findings = rep.finish(store_dir, problems)[1]
+                replay_s += time.perf_counter() - r0
+            found = findings_dicts(findings)
             model.finish(meta.get("closed_at"), found)
             size = sink.finish({"timebase": TIMEBASE,
                                 "clock_offsets_ns": {a: o.offset_ns for a, o in model.clock.agents().items()}})
@@ -103,7 +110,7 @@ def run_export(store_dir: str, out_path: str, make_sink: Callable[[Any], Any], m
     end = time.monotonic()
     st = model.stats
     stats = {"out": os.path.abspath(out_path), "bytes": size, "seconds": end - t0, "replay_s": replay_s,
-             "write_s": end - t1, "events": st["events"], "frames": st["frames"], "tracks": st["tracks"],
+             "write_s": end - t1 - replay_s, "events": st["events"], "frames": st["frames"], "tracks": st["tracks"],
              "slices": st["slices"], "instants": st["instants"], "counters": st["counters"],
              "flows": st["flows"], "findings": st["findings"], "findings_total": len(found),
              "gpu_kernels": st["gpu_kernels"], "gpu_memops": st["gpu_memops"], "gpu_joined": st["gpu_joined"],

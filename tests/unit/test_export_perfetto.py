@@ -626,3 +626,32 @@ def test_a_subgroup_of_unknown_size_waits_for_its_members_not_the_world():
         c.note_comm("j/nccl-pg:3", "nccl", -1, rank, "j", True)
         c.note_comm("j/nccl-pg:0", "nccl", -1, rank, "j", False)
     assert (c.want("j/nccl-pg:3"), c.want("j/nccl-pg:0")) == (2, 8)
+
+
+def test_findings_are_found_in_the_trace_pass_reading_the_store_once(recorded, tmp_path, monkeypatch):
+    """`ccld export` with findings (the default) feeds each frame to the detectors and the trace in one
+    pass: the store is read once, and the trace is the one written with `ccld diagnose`'s findings."""
+    from ccld.diagnose import replay as replay_mod
+    import ccld.export.perfetto as perfetto_mod
+    store, _, _ = recorded
+    _, found, _, _ = replay_mod.replay(str(store))
+    assert len(found) == 1
+    given = tmp_path / "given.pftrace"
+    export_perfetto(str(store), str(given), findings=found)
+    reads = []
+    real = perfetto_mod.read_store
+
+    def counted(*a, **kw):
+        reads.append(a[0])
+        return real(*a, **kw)
+
+    def refused(*a, **kw):
+        raise AssertionError("the export read the store a second time for its findings")
+
+    monkeypatch.setattr(perfetto_mod, "read_store", counted)
+    monkeypatch.setattr(replay_mod, "read_store", refused)
+    one = tmp_path / "one.pftrace"
+    st = export_perfetto(str(store), str(one))
+    assert reads == [str(store)]
+    assert st["findings_total"] == 1 and st["findings"] == 1 and st["replay_s"] > 0
+    assert one.read_bytes() == given.read_bytes()
