@@ -117,8 +117,9 @@ class Diagnoser:
         incs = self.find_inconsistent(now)
         hangs = [h for h in self._hang_pass(now)
                  if h.kind == "hang" and not any(inconsistent.explains(i, h) or self._stuck_in(i, h) for i in incs)]
-        hangs = self._lossy.hangs(self.timeline, now, hangs)  # a lossy link's stall: comm-slow's, not yet a hang
-        refined = linkfaults.find_link_faults(self.timeline, now, hangs)
+        memo: linkfaults.Suspects = {}  # the hold and the link faults ask the same of a hang: once a tick
+        hangs = self._lossy.hangs(self.timeline, now, hangs, memo)  # a lossy link's stall: comm-slow's, not yet a hang
+        refined = linkfaults.find_link_faults(self.timeline, now, hangs, memo)
         replaced = {(f.comm, f.seq) for f in refined}
         refined += nccllinks.find_proxy_faults(self.timeline, now, [h for h in hangs if (h.comm, h.seq) not in replaced])
         replaced = {(f.comm, f.seq) for f in refined}

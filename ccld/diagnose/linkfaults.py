@@ -44,8 +44,18 @@ def _pair_evidence(s: Optional[PairSummary]) -> Optional[Dict[str, float]]:
     return None if s is None else s.as_dict()
 
 
-def _link_suspects(tl: Timeline, job: str, t_from: float, now: float) -> Tuple[List[Tuple[int, int]], Dict]:
-    """Directed pairs with resets, or retransmissions that stand out, in [t_from, now]."""
+Suspects = Dict[Tuple[str, float, float], Tuple[List[Tuple[int, int]], Dict]]  # one tick's _link_suspects
+
+
+def _link_suspects(tl: Timeline, job: str, t_from: float, now: float,
+                   memo: Optional[Suspects] = None) -> Tuple[List[Tuple[int, int]], Dict]:
+    """Directed pairs with resets, or retransmissions that stand out, in [t_from, now]. memo: answers
+    already worked out in this tick (the hold and the link faults ask the same of a hang)."""
+    if memo is not None:
+        got = memo.get((job, t_from, now))
+        if got is None:
+            got = memo[(job, t_from, now)] = _link_suspects(tl, job, t_from, now)
+        return got
     win = tl.links.pair_window(job, t_from, now + 1.0)
     if not win:
         return [], win
@@ -68,14 +78,15 @@ def _on_a_link(tl: Timeline, h: Finding) -> bool:
     return h.cls != "not-entered" or any(waits.blocked(tl, h.job, r) is not None for r in h.ranks)
 
 
-def held_on_lossy_links(tl: Timeline, now: float, hangs: List[Finding]) -> List[Finding]:
+def held_on_lossy_links(tl: Timeline, now: float, hangs: List[Finding],
+                        memo: Optional[Suspects] = None) -> List[Finding]:
     """The `hangs` not yet LOSSY_HOLD_S long whose retransmitting link (since the hang began) was
     lossy before it began too: a lossy link's stall, which comm-slow names, not (yet) a hang."""
     out = []
     for h in hangs:
         if now - h.onset_at >= LOSSY_HOLD_S or not _on_a_link(tl, h):
             continue
-        suspects, _ = _link_suspects(tl, h.job, h.onset_at + HANG_SETTLE_S, now)
+        suspects, _ = _link_suspects(tl, h.job, h.onset_at + HANG_SETTLE_S, now, memo)
         if not suspects:
             continue
         # the whole seconds before the onset, none of them after it: a cut's first retransmissions are not
@@ -95,25 +106,25 @@ class LossyHold:
     def __init__(self) -> None:
         self._shown: Dict[Tuple[str, str, int], float] = {}  # (job, comm, seq) -> when last shown
 
-    def hangs(self, tl: Timeline, now: float, hangs: List[Finding]) -> List[Finding]:
+    def hangs(self, tl: Timeline, now: float, hangs: List[Finding], memo: Optional[Suspects] = None) -> List[Finding]:
         """`hangs` less those held at `now`; the others are remembered as shown."""
         self._shown = {k: t for k, t in self._shown.items() if now - t <= AFTERMATH_S}
         fresh = [h for h in hangs if (h.job, h.comm, h.seq) not in self._shown]
-        held = {id(h) for h in held_on_lossy_links(tl, now, fresh)}
+        held = {id(h) for h in held_on_lossy_links(tl, now, fresh, memo)}
         out = [h for h in hangs if id(h) not in held]
         for h in out:
             self._shown[(h.job, h.comm, h.seq)] = now
         return out
 
 
-def find_link_faults(tl: Timeline, now: float, hangs: List[Finding]) -> List[Finding]:
+def find_link_faults(tl: Timeline, now: float, hangs: List[Finding], memo: Optional[Suspects] = None) -> List[Finding]:
     """Hang findings refined to a link: a connection reset, or one that kept retransmitting while a
     collective that needs it is open. Returns findings that replace the `hangs` they explain."""
     out = []
     for h in hangs:
         if not _on_a_link(tl, h):
             continue
-        suspects, win = _link_suspects(tl, h.job, h.onset_at + HANG_SETTLE_S, now)
+        suspects, win = _link_suspects(tl, h.job, h.onset_at + HANG_SETTLE_S, now, memo)
         named = name_pairs(suspects) if suspects else None
         if named is None:
             continue

@@ -73,12 +73,20 @@ def ppid_of(pid: int) -> int:
     return -1 if st is None else st.ppid
 
 
-def _cmdline(pid: int) -> str:
+def _raw_cmdline(pid: int) -> bytes:
+    """/proc/PID/cmdline as read (arguments ending in NUL), b"" when the process is gone or unreadable."""
     try:
-        raw = read_small(f"/proc/{pid}/cmdline")  # every scan, for each non-rank below the launcher
-        return redact(raw.replace(b"\0", b" ").decode(errors="replace").strip())
+        return read_small(f"/proc/{pid}/cmdline")  # every scan, for each non-rank below the launcher
     except OSError:
-        return ""
+        return b""
+
+
+def _cmdline_text(raw: bytes) -> str:
+    return redact(raw.replace(b"\0", b" ").decode(errors="replace").strip())
+
+
+def _cmdline(pid: int) -> str:
+    return _cmdline_text(_raw_cmdline(pid))
 
 
 def identify(pid: int) -> Optional[RankIdentity]:
@@ -92,12 +100,17 @@ def identify(pid: int) -> Optional[RankIdentity]:
     addr, port = env.get("MASTER_ADDR", ""), _int(env, "MASTER_PORT", 0)
     ppid = ppid_of(pid)
     parent = read_environ(ppid)
+    raw = None
     if parent and all(parent.get(k) == env.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        if ppid != os.getpid() or not runs_training(read_argv(pid)):
+        if ppid != os.getpid():
             return None  # a worker forked by a rank (e.g. a DataLoader worker), not a rank itself
+        raw = _raw_cmdline(pid)
+        if not runs_training(_argv(raw)):
+            return None  # as above, or a launcher (torchrun) `ccld run` started with the node's RANK
         # else: the command `ccld run` (this process) started, holding our own RANK (a pod's one process)
     job = env.get("CCLD_JOB") or (f"{addr}:{port}" if addr else env.get("TORCHELASTIC_RUN_ID", "job"))
-    return RankIdentity(pid, rank, world, _int(env, "LOCAL_RANK", rank), addr, port, job, _cmdline(pid))
+    text = _cmdline_text(_raw_cmdline(pid) if raw is None else raw)
+    return RankIdentity(pid, rank, world, _int(env, "LOCAL_RANK", rank), addr, port, job, text)
 
 
 # Launchers whose process carries its environment's RANK but is not a rank (its workers are): by
@@ -110,12 +123,8 @@ _PYTHON = re.compile(r"python[0-9.]*")
 _OPT_WITH_ARG = frozenset({"-W", "-X", "-Q"})  # interpreter options whose value is the next argument
 
 
-def read_argv(pid: int) -> List[str]:
-    """A process's arguments (/proc/PID/cmdline), [] when it is gone or unreadable."""
-    try:
-        raw = read_small(f"/proc/{pid}/cmdline")
-    except OSError:
-        return []
+def _argv(raw: bytes) -> List[str]:
+    """A process's arguments from its /proc/PID/cmdline (_raw_cmdline)."""
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 

@@ -116,6 +116,24 @@ def test_a_hang_with_one_link_retransmitting_is_a_fault_of_that_link():
     assert f.seq == hangs[0].seq and f.evidence["hang_reason"] == "not-finished"
 
 
+def test_a_ticks_hold_and_link_faults_read_a_hangs_link_window_once(monkeypatch):
+    # LossyHold and find_link_faults both ask which links retransmitted since a fresh hang began: one
+    # tick reads that window once (the finding is the same either way).
+    tl, now = hung_job(retrans={(1, 2): 1})
+    asked = []
+    real = tl.links.pair_window
+
+    def counted(job, t_from, t_to):
+        asked.append((job, t_from, t_to))
+        return real(job, t_from, t_to)
+
+    monkeypatch.setattr(tl.links, "pair_window", counted)
+    got = Diagnoser(tl).find_hangs(now)
+    assert [(f.cls, f.link) for f in got] == [("fault", [1, 2])]
+    since_onset = [a for a in asked if a[2] == now + 1.0]
+    assert len(since_onset) == 1, asked
+
+
 def lossy_then_hung(lossy_before: bool, seconds: float):
     """12 s of healthy collectives with ring traffic each second (link 1->2 retransmitting 20 times a
     second throughout when `lossy_before`: 5 % loss), then seq 61 that nobody finishes while 1->2

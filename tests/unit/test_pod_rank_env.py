@@ -56,8 +56,14 @@ PARENT = textwrap.dedent("""
     out = {k: discover.identify(p.pid) for k, p in procs.items()}
     kids = discover.descendants(procs["rank_that_forks"].pid)
     out["its_forked_worker"] = [discover.identify(k) for k in kids]
-    print(json.dumps({k: (v.rank if v is not None else None) if not isinstance(v, list) else
-                      [w.rank if w is not None else None for w in v] for k, v in out.items()}))
+    reads, real = [], discover.read_small
+    discover.read_small = lambda path, *a: (reads.append(path), real(path, *a))[1]
+    me = discover.identify(procs["python"].pid)
+    discover.read_small = real
+    cmdline_reads = sum(path.endswith("/cmdline") for path in reads)
+    out = {k: (v.rank if v is not None else None) if not isinstance(v, list) else
+           [w.rank if w is not None else None for w in v] for k, v in out.items()}
+    print(json.dumps(dict(out, cmdline=me.cmdline, cmdline_reads=cmdline_reads)))
     for pid in list(kids) + [p.pid for p in procs.values()]:
         os.kill(pid, 9)
 """)
@@ -73,6 +79,8 @@ def test_the_command_of_a_process_holding_the_rank_identity_is_the_rank_unless_a
     assert got["sleep"] is None          # not a Python program
     assert got["rank_that_forks"] == 3
     assert got["its_forked_worker"] == [None]  # a DataLoader-like child of the rank: still not a rank
+    assert got["cmdline"].endswith("-c import time; time.sleep(30)")
+    assert got["cmdline_reads"] == 1     # read once for the launcher test and the identity's command line
 
 
 def test_a_process_that_did_not_start_the_command_still_takes_it_for_a_forked_worker():
