@@ -96,7 +96,8 @@ def score(s, runs: List[Any]) -> Dict[str, Any]:
     done = [x for x in runs if x is not None]
     n, k = len(done), sum(1 for v, _ in done if v.correct)
     lat = [v.latency_s for v, _ in done if v.latency_s is not None]
-    return {"key": s.key, "name": s.title, "expect": s.expect, "runs": n, "failed": len(runs) - n, "correct": k,
+    return {"key": s.key, "name": s.title, "expect": s.expect, "shape": s.shape, "kind": s.kind, "lat": lat,
+            "runs": n, "failed": len(runs) - n, "correct": k,
             "ci95": wilson(k, n), "detected": sum(1 for v, _ in done if v.detected), "p50": pct(lat, 0.5),
             "p90": pct(lat, 0.9), "false": sum(len(v.false) for v, _ in done),
             "healthy_s": sum(getattr(r, "healthy_s", 0.0) for _, r in done) if s.expect is None else 0.0,
@@ -193,6 +194,48 @@ def _jsonable(x: Any) -> Any:
         return repr(x)
 
 
+GOAL_TOP1 = 0.98          # issue 18: top-1 >= 98 % per class ...
+GOAL_RUNS = 10            # ... with >= 10 runs per scenario
+GOAL_HANG_P90_S = 10.0    # hangs named p90 <= 10 s after the onset on every shape ...
+GOAL_HANG_P90_DDP_S = 5.0  # ... and <= 5 s on DDP-style jobs
+GOAL_SLOW_P90_S = 60.0    # slowdowns <= 60 s
+
+
+def goals_md(a: Dict[str, Any]) -> List[str]:
+    """Issue 18's goals against these runs: per class (top-1 with its 95 % interval, the fewest runs of
+    one of its scenarios), and the onset -> finding p90 of hangs per shape and of slowdowns."""
+    from scenarios import wilson
+    rows = [r for r in a["rows"] if r["expect"] is not None and r["runs"]]
+    if not rows:
+        return []
+    out = ["", "Issue 18's goals, from these runs (top-1 >= 98 % per class with >= 10 runs per scenario; "
+               "hangs named p90 <= 10 s after the onset on every shape, <= 5 s on DDP; slowdowns p90 <= 60 s):",
+           "", "| class | scenarios | runs (fewest of one scenario) | correct | 95 % interval | goal |",
+           "|---|---:|---:|---:|---:|---|"]
+    for cls in sorted({r["expect"] for r in rows}):
+        rs = [r for r in rows if r["expect"] == cls]
+        n, k, fewest = sum(r["runs"] for r in rs), sum(r["correct"] for r in rs), min(r["runs"] for r in rs)
+        lo, hi = wilson(k, n)
+        met = k >= GOAL_TOP1 * n and fewest >= GOAL_RUNS
+        why = "met" if met else "not met: " + ", ".join(
+            ([f"{100 * k / n:.1f} %"] if k < GOAL_TOP1 * n else []) +
+            ([f"a scenario with {fewest} runs"] if fewest < GOAL_RUNS else []))
+        out.append(f"| {cls} | {len(rs)} | {n} ({fewest}) | {k}/{n} ({100 * k / n:.1f} %) | "
+                   f"{lo * 100:.0f}-{hi * 100:.0f} % | {why} |")
+    hangs = [r for r in rows if r["kind"] == "hang"]
+    parts = []
+    for shape in sorted({r["shape"] for r in hangs}):
+        p90 = pct([x for r in hangs if r["shape"] == shape for x in r["lat"]], 0.9)
+        if p90 is not None:
+            goal = GOAL_HANG_P90_DDP_S if shape == "ddp" else GOAL_HANG_P90_S
+            parts.append(f"{shape} {p90:.1f} s ({'met' if p90 <= goal else 'not met'}: <= {goal:.0f})")
+    slow = pct([x for r in rows if r["kind"] == "slow" for x in r["lat"]], 0.9)
+    out += ["", "Onset -> finding p90 of hangs, per shape: " + "; ".join(parts) + "." if parts else "",
+            f"Slowdowns: p90 {slow:.1f} s ({'met' if slow <= GOAL_SLOW_P90_S else 'not met'}: <= 60)."
+            if slow is not None else ""]
+    return [x for x in out if x is not None]
+
+
 def accuracy_md(a: Dict[str, Any], cmd: str) -> str:
     def s(x):
         return "-" if x is None else f"{x:.1f}"
@@ -212,6 +255,7 @@ def accuracy_md(a: Dict[str, Any], cmd: str) -> str:
         failed = f" ({r['failed']} failed to start)" if r["failed"] else ""
         out.append(f"| {r['name']} | {r['runs']}{failed} | {r['correct']}/{r['runs']} | {ci(r)} | "
                    f"{r['detected']}/{r['runs']} | {s(r['p50'])} / {s(r['p90'])} | {r['false']} |")
+    out += goals_md(a)
     healthy = [r for r in a["rows"] if r["expect"] is None and r["runs"]]
     if healthy:
         out += ["", "| healthy run | runs | without a finding | minutes | false findings |", "|---|---:|---:|---:|---:|"]
