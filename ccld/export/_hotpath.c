@@ -229,7 +229,7 @@ static PyObject *dict_pop(PyObject *d, PyObject *key)
 
 /* -- rows of column blocks (colblocks.py) */
 
-/* all_ints(column): every value an int (or a bool), as colblocks._column's sum() check decides. */
+/* all_ints(column): every value an int, not a bool (an int subclass), as colblocks._column decides. */
 static PyObject *hp_all_ints(PyObject *self, PyObject *c)
 {
     if (!PyList_Check(c)) {
@@ -237,7 +237,7 @@ static PyObject *hp_all_ints(PyObject *self, PyObject *c)
         return NULL;
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(c); i++)
-        if (!PyLong_Check(PyList_GET_ITEM(c, i)))
+        if (!PyLong_CheckExact(PyList_GET_ITEM(c, i)))
             Py_RETURN_FALSE;
     Py_RETURN_TRUE;
 }

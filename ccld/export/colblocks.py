@@ -9,8 +9,8 @@ to wire maps and goes through the model's general loop, which counts every oddit
 Order: enter blocks are placed among the frame's map events by their "at", start and end blocks after
 them (feed_frame says why); rows in their order. Times: node CLOCK_MONOTONIC ns plus the agent's
 offset, as in model.TraceModel.events.
-Caveat: a block that is not well formed is dropped whole, its rows counted as bad events. An int
-column is checked by summing it (C speed), which lets bools through as 0 and 1.
+Caveat: a block that is not well formed is dropped whole, its rows counted as bad events, as the wire
+reader drops it (a bool in an int column too).
 """
 from __future__ import annotations
 
@@ -136,10 +136,10 @@ def _column(same: dict, cols: dict, name: str, n: int, typ: type, default: Any =
                 if not accel.hot.all_ints(c):
                     raise BadBlock(name)
                 return c
-            # One C-level pass, 3-5x faster than type() of each: msgpack gives int, float, str, bytes,
-            # bool, None, list or map, and only ints (and bools, which pass as 0/1) sum to an int.
+            # C-level passes: msgpack gives int, float, str, bytes, bool, None, list or map, and only ints
+            # and bools sum to an int; a bool is not an int to the wire reader (nor here).
             try:
-                if type(sum(c)) is not int:
+                if type(sum(c)) is not int or bool in set(map(type, c)):
                     raise BadBlock(name)
             except TypeError:
                 raise BadBlock(name) from None

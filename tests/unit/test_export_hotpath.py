@@ -262,10 +262,10 @@ def test_what_a_collective_wrote_before_an_error_is_kept_alike(tmp_path):
 
 @needs_hot
 def test_a_run_of_one_seq_stays_one_group_across_the_handover(tmp_path):
-    """An end block whose seq column says True then 1 (one collective: True == 1) and whose second row's
-    time is past int64: the C loop takes the first row (the group is keyed (c, True), as its first row
-    says) and hands the second to Python, which began a new run and keyed it (c, 1): the communicator
-    slice then said "seq": 1 in JSON where Python alone says true."""
+    """An end block whose second row's time is past int64: the C loop takes the first row and hands the
+    second to Python, which goes on with the same group. (This once found a seq column True then 1
+    keyed as two groups; a bool in an int column now drops the block, as the wire reader does:
+    test_export_perfetto's bool test.)"""
     a = FakeAgent("agent-0", "node0", boot_unix=T0 - 1000.0)
     clock = a.clock(T0)
     t = a.mono(T0 + 1)
@@ -273,7 +273,7 @@ def test_a_run_of_one_seq_stays_one_group_across_the_handover(tmp_path):
     blocks = [{"k": "coll", "n": 2, "at": 3, "same": {"backend": "nccl", "comm": "c", "op": "allreduce"},
                "cols": {"seq": [1, 1], "pid": [1, 2], "rank": [0, 1], "ts_ns": [t, t]}},
               {"k": "end", "n": 2, "at": 3, "same": {"comm": "c"},  # after the clock sample and CommInits
-               "cols": {"seq": [True, 1], "pid": [1, 2], "rank": [0, 1], "ts_ns": [t + 9, late]}}]
+               "cols": {"seq": [1, 1], "pid": [1, 2], "rank": [0, 1], "ts_ns": [t + 9, late]}}]
     comms = [ev.CommInit(pid=pid, rank=pid - 1, ts_ns=t, backend="nccl", comm="c", group_rank=pid - 1,
                          group_size=2).to_wire() for pid in (1, 2)]
     w = StoreWriter(str(tmp_path / "s"))
@@ -281,7 +281,7 @@ def test_a_run_of_one_seq_stays_one_group_across_the_handover(tmp_path):
                             "events": [clock.to_wire()] + comms, "blocks": blocks}), T0 + 1)
     w.close()
     got = export_both(tmp_path / "s", tmp_path, "json")
-    assert b'"seq": true' in got["python"][0]
+    assert b'"seq": 1' in got["python"][0]
     assert got["c"] == got["python"]
 
 

@@ -579,6 +579,40 @@ def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):
             assert all(c[(r, 10)]["args"]["unfinished"] for r in range(2))
 
 
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_a_bool_in_an_int_column_drops_its_block_as_the_timeline_does(tmp_path, monkeypatch, accelerated):
+    """msgpack's True and False are not ints: the wire reader (and so the timeline and the findings)
+    drops a block whose int column holds one, and so does the export, with or without its C loops."""
+    import msgpack
+    from ccld.export import accel
+    if accelerated and accel.hot is None:
+        pytest.skip("the C accelerator is not built here")
+    if not accelerated:
+        monkeypatch.setattr(accel, "hot", None)
+    job = SynthJob(world=2, nodes=1)
+    job.announce(T0)
+    t = job.steps(1, 3, T0 + 1)
+    a = job.agents[0]
+    good = [_as_blocks(_as_maps(f)) for f in job.frames(t + 0.01)]
+    ts = [a.mono(t + 0.1), a.mono(t + 0.1)]
+    base = {"k": "coll", "n": 2, "at": 0, "same": {"backend": "gloo", "comm": job.comm, "op": "allreduce"}}
+    bad = [dict(base, cols={"seq": [11, 11], "pid": [1000, 1001], "rank": [False, True], "ts_ns": ts}),
+           dict(base, cols={"seq": [True, True], "pid": [1000, 1001], "rank": [0, 1], "ts_ns": ts})]
+    frame = msgpack.packb({"v": [1, 4], "agent": a.agent, "node": a.node, "batch": 99,
+                           "events": [a.clock(t + 0.2).to_wire()], "blocks": bad})
+    w = StoreWriter(str(tmp_path / "s"))
+    for f in good:
+        w.append(f, t + 0.01)
+    w.append(frame, t + 0.5)
+    w.close()
+    from ccld.diagnose.replay import replay
+    report = replay(str(tmp_path / "s"))[3]
+    assert sum(report["bad_events"].values()) == 4  # the wire reader's verdict, which the export must share
+    stats = export_perfetto(str(tmp_path / "s"), str(tmp_path / "t.pftrace"), findings=[])
+    assert stats["bad_events"] == 4
+    assert sorted(calls(parse(tmp_path / "t.pftrace"))) == [(r, s) for r in range(2) for s in (1, 2, 3)]
+
+
 def test_a_damaged_stores_odd_pids_ranks_and_world_size_are_drawn_not_fatal(tmp_path):
     """Map events whose pid is a bool or None, whose rank is past int32, and a world size of 2^64-1
     with --ranks: Perfetto's pids and orders are int32, and a world that size cannot be enumerated.
