@@ -535,10 +535,10 @@ def test_frames_as_maps_and_as_column_blocks_give_the_same_trace(recorded, tmp_p
     assert len(got["maps"][0]) > 4 * N_OK * 2 and got["maps"] == got["blocks"] == got["packed"] == got["table"]
 
 
-def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):
-    """Blocks with wrong types, lengths or shapes: each is dropped and its rows counted; good blocks and
-    map events of the same frame are still exported."""
-    import msgpack
+def _blocks_job():
+    """A 2-rank job's first 3 allreduces as column-block frames (good), with what a test needs to add
+    blocks of its own: (job, its agent, the time after them, good frames, two ranks' ts_ns, a coll
+    block's fields but its columns)."""
     job = SynthJob(world=2, nodes=1)
     job.announce(T0)
     t = job.steps(1, 3, T0 + 1)
@@ -546,6 +546,28 @@ def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):
     good = [_as_blocks(_as_maps(f)) for f in job.frames(t + 0.01)]
     ts = [a.mono(t + 0.1), a.mono(t + 0.1)]
     base = {"k": "coll", "n": 2, "at": 0, "same": {"backend": "gloo", "comm": job.comm, "op": "allreduce"}}
+    return job, a, t, good, ts, base
+
+
+def _write_blocks(path, a, t, good, bad, after=None):
+    """A store of the good frames, then one frame of agent a's holding the `bad` blocks (and a clock
+    sample), then the frame `after` when given."""
+    import msgpack
+    w = StoreWriter(str(path))
+    for f in good:
+        w.append(f, t + 0.01)
+    w.append(msgpack.packb({"v": [1, 4], "agent": a.agent, "node": a.node, "batch": 99,
+                            "events": [a.clock(t + 0.2).to_wire()], "blocks": bad}), t + 0.5)
+    if after is not None:
+        w.append(after, t + 0.6)
+    w.close()
+
+
+def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):
+    """Blocks with wrong types, lengths or shapes: each is dropped and its rows counted; good blocks and
+    map events of the same frame are still exported."""
+    import msgpack
+    job, a, t, good, ts, base = _blocks_job()
     cols = {"seq": [9, 9], "pid": [1000, 1001], "rank": [0, 1], "ts_ns": ts}
     bad = [dict(base, cols=dict(cols, ts_ns=["soon", "later"])),     # wrong type in a column
            dict(base, cols=dict(cols, seq=[9])),                      # column shorter than n
@@ -556,15 +578,9 @@ def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):
            dict(base, cols=dict(cols, seq=[10, 10], ts_ns=ts)),       # a good one: seq 10 entered
            dict(base, cols=dict(cols, seq=b"\0" * 15)),               # a packed column (1.8) a byte short
            [1, 2], "block", None]
-    frame = msgpack.packb({"v": [1, 4], "agent": a.agent, "node": a.node, "batch": 99,
-                           "events": [a.clock(t + 0.2).to_wire()], "blocks": bad})
-    w = StoreWriter(str(tmp_path / "s"))
-    for f in good:
-        w.append(f, t + 0.01)
-    w.append(frame, t + 0.5)
-    w.append(msgpack.packb({"v": [1, 4], "agent": a.agent, "node": a.node, "batch": 100, "events": [],
-                            "blocks": {"not": "a list"}}), t + 0.6)
-    w.close()
+    _write_blocks(tmp_path / "s", a, t, good, bad,
+                  msgpack.packb({"v": [1, 4], "agent": a.agent, "node": a.node, "batch": 100, "events": [],
+                                 "blocks": {"not": "a list"}}))
     for export, name in ((export_perfetto, "t.pftrace"), (export_chrome, "t.json")):
         out = tmp_path / name
         stats = export(str(tmp_path / "s"), str(out), findings=[])
@@ -583,28 +599,15 @@ def test_hostile_column_blocks_are_counted_not_fatal(tmp_path):
 def test_a_bool_in_an_int_column_drops_its_block_as_the_timeline_does(tmp_path, monkeypatch, accelerated):
     """msgpack's True and False are not ints: the wire reader (and so the timeline and the findings)
     drops a block whose int column holds one, and so does the export, with or without its C loops."""
-    import msgpack
     from ccld.export import accel
     if accelerated and accel.hot is None:
         pytest.skip("the C accelerator is not built here")
     if not accelerated:
         monkeypatch.setattr(accel, "hot", None)
-    job = SynthJob(world=2, nodes=1)
-    job.announce(T0)
-    t = job.steps(1, 3, T0 + 1)
-    a = job.agents[0]
-    good = [_as_blocks(_as_maps(f)) for f in job.frames(t + 0.01)]
-    ts = [a.mono(t + 0.1), a.mono(t + 0.1)]
-    base = {"k": "coll", "n": 2, "at": 0, "same": {"backend": "gloo", "comm": job.comm, "op": "allreduce"}}
+    job, a, t, good, ts, base = _blocks_job()
     bad = [dict(base, cols={"seq": [11, 11], "pid": [1000, 1001], "rank": [False, True], "ts_ns": ts}),
            dict(base, cols={"seq": [True, True], "pid": [1000, 1001], "rank": [0, 1], "ts_ns": ts})]
-    frame = msgpack.packb({"v": [1, 4], "agent": a.agent, "node": a.node, "batch": 99,
-                           "events": [a.clock(t + 0.2).to_wire()], "blocks": bad})
-    w = StoreWriter(str(tmp_path / "s"))
-    for f in good:
-        w.append(f, t + 0.01)
-    w.append(frame, t + 0.5)
-    w.close()
+    _write_blocks(tmp_path / "s", a, t, good, bad)
     from ccld.diagnose.replay import replay
     report = replay(str(tmp_path / "s"))[3]
     assert sum(report["bad_events"].values()) == 4  # the wire reader's verdict, which the export must share
