@@ -230,10 +230,14 @@ def goals_md(a: Dict[str, Any]) -> List[str]:
             goal = GOAL_HANG_P90_DDP_S if shape == "ddp" else GOAL_HANG_P90_S
             parts.append(f"{shape} {p90:.1f} s ({'met' if p90 <= goal else 'not met'}: <= {goal:.0f})")
     slow = pct([x for r in rows if r["kind"] == "slow" for x in r["lat"]], 0.9)
-    out += ["", "Onset -> finding p90 of hangs, per shape: " + "; ".join(parts) + "." if parts else "",
-            f"Slowdowns: p90 {slow:.1f} s ({'met' if slow <= GOAL_SLOW_P90_S else 'not met'}: <= 60)."
-            if slow is not None else ""]
-    return [x for x in out if x is not None]
+    if parts or slow is not None:
+        out.append("")
+    if parts:
+        out.append("Onset -> finding p90 of hangs, per shape: " + "; ".join(parts) + ".")
+    if slow is not None:
+        out.append(f"Slowdowns: p90 {slow:.1f} s ({'met' if slow <= GOAL_SLOW_P90_S else 'not met'}: "
+                   f"<= {GOAL_SLOW_P90_S:.0f}).")
+    return out
 
 
 def accuracy_md(a: Dict[str, Any], cmd: str) -> str:

@@ -131,19 +131,10 @@ def _column(same: dict, cols: dict, name: str, n: int, typ: type, default: Any =
     if c is not _MISSING:
         if type(c) is not list or len(c) != n:
             raise BadBlock(name)
-        if typ is int:
-            if accel.hot is not None:
-                if not accel.hot.all_ints(c):
-                    raise BadBlock(name)
-                return c
-            # C-level passes: msgpack gives int, float, str, bytes, bool, None, list or map, and only ints
-            # and bools sum to an int; a bool is not an int to the wire reader (nor here).
-            try:
-                if type(sum(c)) is not int or bool in set(map(type, c)):
-                    raise BadBlock(name)
-            except TypeError:
-                raise BadBlock(name) from None
-        elif not set(map(type, c)) <= {typ}:
+        if typ is int and accel.hot is not None:
+            if not accel.hot.all_ints(c):
+                raise BadBlock(name)
+        elif not set(map(type, c)) <= {typ}:  # exact types: a bool is no int, as to the wire reader
             raise BadBlock(name)
         return c
     v = same.get(name, default)
