@@ -12,17 +12,21 @@ Thresholds are in the constants below, each with its reason; evidence carries th
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import AbstractSet, Deque, Dict, List, Optional, Tuple
 
+import numpy as np
+
 from ccld.diagnose import nccllinks
 from ccld.diagnose.findings import Finding
 from ccld.diagnose.links import BASELINE_GUARD_S, Pair, localise, name_pairs, pair_baselines
 from ccld.timeline.links import PairBaseline, PairSummary
-from ccld.timeline.records import CollView, Comm
+from ccld.timeline.donelog import Done, DoneLog
+from ccld.timeline.records import Comm
 from ccld.timeline.timeline import Timeline
 
 RECENT_S = 10.0            # the window a slowdown is judged over ...
@@ -48,15 +52,14 @@ MAX_SCREEN = 64           # collectives screened per communicator per tick (a bu
 @dataclass
 class _CommState:
     """What find_comm_slow remembers about one communicator between ticks (a tick must stay cheap at
-    thousands of communicators: one that completed nothing new and was fine is not looked at again,
-    and a collective's duration is worked out once, not once per tick)."""
+    thousands of communicators: one that completed nothing new and was fine is not looked at again)."""
     completed_seen: int = -1
     slow: bool = False
     base_at: int = -(1 << 30)                                  # comm.completed when baselines were made
     base: Dict[str, Tuple[float, int]] = field(default_factory=dict)  # op -> (baseline s, collectives behind it)
-    screened: int = -1                                         # every completed seq up to this was screened
+    log: Optional[DoneLog] = None                              # the log screened (a rebuilt group has a new one)
+    screened: int = 0                                          # its completions before this were screened
     every: int = BASELINE_EVERY                                # this communicator's recomputation period
-    spans: Dict[int, Tuple[float, float, float]] = field(default_factory=dict)  # seq -> (completed_at, first, last enter)
     episode: Optional[float] = None                            # when the slowdown being judged began (links since)
     slow_at: float = 0.0                                       # the latest tick that found an op slow
     past: Deque[Tuple[float, float]] = field(default_factory=lambda: collections.deque(maxlen=MAX_PAST_EPISODES))
@@ -66,81 +69,66 @@ class _CommState:
 _STATE: "weakref.WeakKeyDictionary[Timeline, Dict[str, _CommState]]" = weakref.WeakKeyDictionary()
 
 
-def _span(st: _CommState, v: CollView) -> Tuple[float, float, float]:
-    """(completed_at, first enter, last enter) of a completed collective, cached: O(ranks) once."""
-    got = st.spans.get(v.seq)
-    if got is None or got[0] != v.completed_at:  # not seen, or a rebuilt group reused the seq
-        _, first, last = v.enter_span()
-        got = st.spans[v.seq] = (v.completed_at, first, last)
-    return got
+def _take(d: Done, idx: np.ndarray) -> Done:
+    return Done(*(a[idx] for a in d))
 
 
-def _duration(st: _CommState, v: CollView) -> float:
-    done, _, last = _span(st, v)
-    return max(0.0, done - last)
+def _newest(d: Done, now: float) -> Dict[int, np.ndarray]:
+    """Per op code, the positions in `d` (newest made first) of its completed collectives of the last
+    RECENT_S, or of its last RECENT_N if more; ops in the order their newest came. As a walk from
+    the newest would: it stops at the first collective older than RECENT_S once every op it has seen
+    has RECENT_N, and keeps, per op, the first RECENT_N it met and any of the last RECENT_S."""
+    n = len(d.seq)
+    if not n:
+        return {}
+    cut = now - RECENT_S
+    ops = d.op
+    order = np.argsort(ops, kind="stable")  # each op's positions, ascending
+    starts = np.flatnonzero(np.r_[True, ops[order][1:] != ops[order][:-1]])
+    counts = np.diff(np.r_[starts, n])
+    k = np.empty(n, dtype=np.int64)  # each collective's place among its op's, 0: the newest
+    k[order] = np.arange(n) - np.repeat(starts, counts)
+    nth = np.where(counts >= RECENT_N, order[np.minimum(starts + RECENT_N - 1, n - 1)], n)  # its RECENT_N-th
+    need = np.full(n, -1, dtype=np.int64)
+    need[order[starts]] = nth
+    need = np.maximum.accumulate(need)  # need[p]: the latest RECENT_N-th of the ops first met at or before p
+    stop = np.flatnonzero((d.done[1:] < cut) & (need[:-1] < np.arange(1, n)))
+    end = int(stop[0]) + 1 if len(stop) else n
+    idx = np.flatnonzero((k[:end] < RECENT_N) | (d.done[:end] >= cut))
+    codes, first = np.unique(ops[idx], return_index=True)
+    return {c: idx[ops[idx] == c] for c in codes[np.argsort(first)].tolist()}
 
 
-def _spread(st: _CommState, v: CollView) -> float:
-    _, first, last = _span(st, v)
-    return last - first
-
-
-def _prune(st: _CommState, comm: Comm) -> None:
-    if len(st.spans) > 2 * len(comm.colls) + 64:
-        st.spans = {s: x for s, x in st.spans.items() if s in comm.colls}
-
-
-def _newest(comm: Comm, now: float) -> Dict[str, List[CollView]]:
-    """Per op, the completed collectives of the last RECENT_S, or the last RECENT_N if more, newest first."""
-    out: Dict[str, List[CollView]] = {}
-    for v in reversed(comm.colls.values()):
-        if v.completed_at is None or not v.entered():
-            continue
-        if v.completed_at < now - RECENT_S and out and all(len(x) >= RECENT_N for x in out.values()):
-            break
-        got = out.setdefault(v.op, [])
-        if len(got) < RECENT_N or v.completed_at >= now - RECENT_S:
-            got.append(v)
-    return out
-
-
-def _baselines(comm: Comm, newest: Dict[str, List[CollView]], st: _CommState) -> Dict[str, Tuple[float, int]]:
+def _baselines(d: Done, names: List[str], newest: Dict[int, np.ndarray]) -> Dict[str, Tuple[float, int]]:
     """Per op, the fast quartile of the durations before its newest collectives: a slowdown that has
     lasted a while must not become "normal" while most of the history is still healthy."""
-    skip = {id(v) for vs in newest.values() for v in vs}
-    durs: Dict[str, List[float]] = {}
-    for v in comm.colls.values():
-        if v.completed_at is not None and v.entered() and id(v) not in skip:
-            durs.setdefault(v.op, []).append(_duration(st, v))
+    behind = np.ones(len(d.seq), dtype=bool)
+    for idx in newest.values():
+        behind[idx] = False
+    dur, ops = d.duration[behind], d.op[behind]
     out = {}
-    for op, d in durs.items():
-        d.sort()
-        out[op] = (d[len(d) // 4], len(d))
+    for code in np.unique(ops).tolist():
+        x = np.sort(dur[ops == code])
+        out[names[code]] = (float(x[len(x) // 4]), len(x))
     return out
 
 
-def _any_slow(comm: Comm, st: _CommState) -> bool:
+def _any_slow(log: DoneLog, d: Done, st: _CommState) -> bool:
     """Whether a collective that completed since the last screen took SLOW_FACTOR x its op's
-    baseline: a cheap screen that spares most communicators the full test on most ticks (each
-    collective is screened once). A heavy tail whose stalls all fell before them is caught a tick or
-    two later."""
-    top, lowest_open, found, n = st.screened, None, False, 0
-    for v in reversed(comm.colls.values()):
-        if v.seq <= st.screened or n >= MAX_SCREEN:
-            break
-        n += 1
-        top = max(top, v.seq)
-        if v.completed_at is None or not v.entered():
-            lowest_open = v.seq  # screened once it completes
-            continue
-        base = st.base.get(v.op)
-        if base is None or _duration(st, v) >= SLOW_FACTOR * base[0]:
-            found = True
-    st.screened = top if lowest_open is None else max(st.screened, lowest_open - 1)
-    return found
+    baseline (or has an op without one): a cheap screen that spares most communicators the full test
+    on most ticks (each completion is screened once)."""
+    if st.log is not log:
+        st.log, st.screened = log, 0
+    fresh = d.appended >= st.screened
+    st.screened = log.total
+    if not fresh.any():
+        return False
+    base = np.array([st.base.get(name, (np.nan, 0))[0] for name in log.names])
+    b = base[d.op[fresh]]
+    return bool((np.isnan(b) | (d.duration[fresh] >= SLOW_FACTOR * b)).any())
 
 
-def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, List[CollView], float, str, float]]:
+def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, Done, float, str, float]]:
     """(op, its recent collectives, its baseline duration, test, level) for every op of `comm` that got slow.
 
     Two shapes of slow: a crawl (every collective slower: the median of the last RECENT_N is
@@ -149,33 +137,36 @@ def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, List[Co
     if comm.completed == st.completed_seen and not st.slow:
         return []
     st.completed_seen = comm.completed
-    if st.base and not st.slow and comm.completed - st.base_at < st.every and not _any_slow(comm, st):
+    log = comm.done
+    d = log.window(comm.gone)
+    if st.base and not st.slow and comm.completed - st.base_at < st.every and not _any_slow(log, d, st):
         return []  # what completed since the last tick ran at its baseline: nothing to judge this tick
-    _prune(st, comm)
-    newest = _newest(comm, now)
+    newest = _newest(d, now)
     if comm.completed - st.base_at >= st.every or not st.base:
-        st.base, st.base_at = _baselines(comm, newest, st), comm.completed
+        st.base, st.base_at = _baselines(d, log.names, newest), comm.completed
         st.every = BASELINE_EVERY + zlib.crc32(comm.id.encode()) % BASELINE_EVERY
-        _any_slow(comm, st)  # what this full look saw need not be screened again
+        _any_slow(log, d, st)  # what this full look saw need not be screened again
     out = []
-    for op, views in newest.items():
+    dur = d.duration
+    for code, idx in newest.items():
+        op = log.names[code]
         base, behind = st.base.get(op, (0.0, 0))
-        views = views[::-1]
-        last = views[-RECENT_N:]
-        window = [v for v in views if v.completed_at >= now - RECENT_S]
+        idx = idx[::-1]
+        last = idx[-RECENT_N:]
+        window = idx[d.done[idx] >= now - RECENT_S]
         if len(last) < MIN_RECENT or behind < MIN_BASELINE:
             continue
         for recent, stat in ((last, "median"), (window, "tail")):
             if stat == "median":
-                level = statistics.median(_duration(st, v) for v in recent)
+                level = float(np.median(dur[recent]))
             elif len(recent) >= MIN_TAIL:
-                d = sorted(_duration(st, v) for v in recent)
-                level = min(statistics.mean(d), d[int(len(d) * 0.9)])
+                x = np.sort(dur[recent])
+                level = min(math.fsum(x.tolist()) / len(x), float(x[int(len(x) * 0.9)]))
             else:
                 continue
-            spread = statistics.median(_spread(st, v) for v in recent)
-            if level >= SLOW_FACTOR * base and level - base >= MIN_EXTRA_S and spread < level:
-                out.append((op, recent, base, stat, level))
+            r = _take(d, recent)
+            if level >= SLOW_FACTOR * base and level - base >= MIN_EXTRA_S and float(np.median(r.spread)) < level:
+                out.append((op, r, base, stat, level))
     st.slow = bool(out)
     return out
 
@@ -193,12 +184,12 @@ def _judged_evidence(p: Pair, s: PairSummary, b: Optional[PairBaseline]) -> Dict
 
 
 def _episode_baselines(tl: Timeline, comm: Comm, st: _CommState, members: AbstractSet[int],
-                       slow: List[Tuple[str, List[CollView], float, str, float]]) -> Dict[Pair, PairBaseline]:
+                       slow: List[Tuple[str, Done, float, str, float]]) -> Dict[Pair, PairBaseline]:
     """The link baselines this slowdown of `comm` is judged against: cut where it began (the first
     enter of the earliest collective judged slow on its first slow tick), without earlier slowdowns,
     computed once per slowdown (frozen while it lasts: the fault must not become its own baseline)."""
     if st.episode is None:
-        st.episode = min(_span(st, v)[1] for _, recent, _, _, _ in slow for v in recent)
+        st.episode = min(float(recent.first.min()) for _, recent, _, _, _ in slow)
     key = (st.episode, members)
     if st.link_base is None or st.link_base[0] != key:
         st.link_base = (key, pair_baselines(tl, comm.job, st.episode, tuple(st.past), members))
@@ -232,7 +223,7 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         for op, recent, base, stat, level in sorted(slow, key=lambda s: -s[4] / max(s[2], 1e-9)):
             # Links are judged over the same span as the slow collectives, not over a fixed window
             # that would mix in the healthy seconds before the slowdown.
-            since = min(_span(st, v)[1] for v in recent)
+            since = float(recent.first.min())
             suspects, named, localised_by, win = localise(tl, comm.job, members, since, now, reference=members,
                                                           baseline_before=st.episode, exclude=tuple(st.past),
                                                           baselines=baselines)
@@ -250,7 +241,7 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
         else:
             continue
         ranks, link = named if named is not None else ([], None)
-        first = min(recent, key=lambda v: v.seq)
+        first = int(np.argmin(recent.seq))
         active = [s.srtt_mean_us for s in win.values() if s.tx_bytes > 0 and s.srtt_mean_us > 0]
         summary = f"{level / base:.0f}x slower ({level * 1e3:.1f} vs {base * 1e3:.1f} ms)" if base > 0 else "slower"
         if localised_by == "nccl-proxy":
@@ -273,9 +264,9 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
             summary += "; no link stands out"
         evidence = {
             "op": op, "judged_by": stat, "summary": summary, "recent_s": round(level, 6), "baseline_s": round(base, 6),
-            "slowdown": round(level / base, 2) if base > 0 else None, "recent_collectives": len(recent),
-            "arrival_spread_median_s": round(statistics.median(_spread(st, v) for v in recent), 6),
-            "first_slow_seq": first.seq, "links_since": round(since, 6),
+            "slowdown": round(level / base, 2) if base > 0 else None, "recent_collectives": len(recent.seq),
+            "arrival_spread_median_s": round(float(np.median(recent.spread)), 6),
+            "first_slow_seq": int(recent.seq[first]), "links_since": round(since, 6),
             "links_slow_since": round(st.episode, 6) if st.episode is not None else None,
             "links_baseline_before": round(st.episode - BASELINE_GUARD_S, 6) if st.episode is not None else None,
             "localised_by": localised_by,
@@ -289,5 +280,5 @@ def find_comm_slow(tl: Timeline, now: float) -> List[Finding]:
             evidence["nccl_links"] = {f"{a}->{b}": v for (a, b), v in sorted(proxy.items())}
         # seq -1: a slowdown spans many collectives; the finding's identity must not move with the window.
         out.append(Finding(kind="slow", cls="comm-slow", ranks=ranks, link=link, comm=comm.id, seq=-1, op=op,
-                           onset_at=_span(st, first)[2], detected_at=now, evidence=evidence, job=comm.job))
+                           onset_at=float(recent.last[first]), detected_at=now, evidence=evidence, job=comm.job))
     return out

@@ -369,7 +369,7 @@ def _completions(tl: Timeline, rows: _Batch, views: List[Any], touched: np.ndarr
     comms = rows.comms
     for i, c, end, lo, hi in zip(done.tolist(), codes[done].tolist(), last_end.tolist(), first_in.tolist(),
                                  last_in.tolist()):
-        done_at(comms[c], vs[i], end, hi - lo, max(0.0, end - hi))
+        done_at(comms[c], vs[i], end, lo, hi)
 
 
 def _refine(tl: Timeline, rows: _Batch, keep: np.ndarray) -> None:

@@ -22,10 +22,10 @@ class CollView:
     are snapshots, made once per write of the slot: change the timeline, not them. One that an
     analysis still holds when its collective is evicted keeps a copy (`freeze`, comms.evict)."""
     __slots__ = ("comm", "seq", "op", "completed_at", "_failed", "_gpu_start", "_gpu_end", "_store", "_cols",
-                 "_slot", "_cache", "_frozen")
+                 "_slot", "_cache", "_frozen", "made")
 
-    def __init__(self, comm: str, seq: int, op: str, store: CollStore, cols: CommCols, slot: int):
-        self.comm, self.seq, self.op = comm, seq, op
+    def __init__(self, comm: str, seq: int, op: str, store: CollStore, cols: CommCols, slot: int, made: int = 0):
+        self.comm, self.seq, self.op, self.made = comm, seq, op, made  # made: Comm.made when it was made
         self.completed_at: Optional[float] = None
         self._failed: Optional[Dict[int, str]] = None
         self._gpu_start: Optional[Dict[int, float]] = None

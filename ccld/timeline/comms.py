@@ -155,6 +155,7 @@ def _pop_oldest(comm: Comm) -> Tuple[int, CollView]:
     """(seq, view) of the oldest collective made, taken out of comm.colls; a view an analysis still
     holds keeps a copy (freeze), since its slot is about to be freed."""
     seq, gone = comm.colls.popitem(last=False)
+    comm.gone += 1
     if sys.getrefcount(gone) > 2:  # an analysis still holds it (this name and the call hold two)
         gone.freeze()
     return seq, gone
@@ -199,7 +200,8 @@ def new_views(tl: Timeline, made: List[Tuple[Comm, int, str]]) -> List[Optional[
     owners = [made[i][0].attach(st) for i in fresh]
     for i, cols, slot in zip(fresh, owners, st.take_slots(owners)):
         comm, seq, op = made[i]
-        out[i] = comm.colls[seq] = CollView(comm.id, seq, op, st, cols, slot)
+        out[i] = comm.colls[seq] = CollView(comm.id, seq, op, st, cols, slot, comm.made)
+        comm.made += 1
     return out
 
 
@@ -244,15 +246,18 @@ def completed(tl: Timeline, comm: Comm, view: Optional[CollView]) -> Optional[fl
         return None
     enters = st.enter[base:base + comm.attach(st).ncols]
     at = float(ends.max())
-    done_at(comm, view, at, float(np.nanmax(enters) - np.nanmin(enters)), max(0.0, at - float(np.nanmax(enters))))
+    done_at(comm, view, at, float(np.nanmin(enters)), float(np.nanmax(enters)))
     return at
 
 
-def done_at(comm: Comm, view: CollView, at: float, spread: float, duration: float) -> None:
-    """Collective `view` completed at `at` (its members' enters `spread` s apart, `duration` s from the
-    last enter to the last end): counted, and its peaks kept."""
+def done_at(comm: Comm, view: CollView, at: float, first: float, last: float) -> None:
+    """Collective `view` completed at `at`, its members' first enter at `first` and last at `last`:
+    counted, logged (Comm.done) and its peaks kept (arrival spread, and duration from the last
+    enter to the last end)."""
     view.completed_at = at
     comm.completed += 1
+    comm.done.add(view.made, view.seq, view.op, at, first, last)
+    spread, duration = last - first, max(0.0, at - last)
     if comm.first_done_at is None:
         comm.first_done_at = at
     bucket = int(at // PEAK_BUCKET_S)

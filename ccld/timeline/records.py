@@ -15,6 +15,7 @@ from typing import Any, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from ccld.timeline.colltable import CollStore, CommCols
 from ccld.timeline.collview import CollView
+from ccld.timeline.donelog import DoneLog
 from ccld.timeline.p2p import CommP2P
 
 __all__ = ["RankRecord", "Comm", "CollView"]
@@ -100,6 +101,9 @@ class Comm:
     pids: Dict[int, Tuple[str, int]] = field(default_factory=dict)  # global rank -> (node, pid)
     retired: Set[Tuple[str, int]] = field(default_factory=set)      # (node, pid)s replaced by a restart
     colls: "collections.OrderedDict[int, CollView]" = field(default_factory=collections.OrderedDict)
+    made: int = 0              # views ever made (CollView.made: its place in that order) ...
+    gone: int = 0              # ... and evicted, oldest made first: colls holds those made >= gone
+    done: DoneLog = field(default_factory=DoneLog, repr=False, compare=False)  # its completions, as arrays
     store: Optional[CollStore] = field(default=None, repr=False, compare=False)  # what colls' views show ...
     cols: Optional[CommCols] = field(default=None, repr=False, compare=False)    # ... and its columns there
     max_seq: int = -1

@@ -1,0 +1,87 @@
+"""A communicator's completed collectives as arrays (DoneLog): what the slowdown detectors judge,
+read with array operations instead of a walk over every CollView of the communicator each tick.
+
+Each completion (comms.done_at) appends one entry: the collective's place in the order its views were
+made (`made`: comm.colls is that order, and eviction takes the oldest made first, so the collectives
+still held are exactly those with made >= comm.gone), its seq, op (a code of this log's own table),
+completion time, and its first and last enter (Unix s). Entries stay in the order they completed;
+`window` gives those still held, ordered newest made first, as comm.colls reversed would.
+Appends go to a Python list (a completion costs a tuple), turned into arrays when next read.
+Bounds: entries of evicted collectives are dropped when read once they outnumber the held ones
+(at most ~2x the communicator's collective bound plus one read's appends).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Tuple
+
+import numpy as np
+
+
+class Done(NamedTuple):
+    """Completed collectives still held, newest made first: parallel arrays, and `appended`, each
+    entry's position in the order of completion (counted from the log's first entry ever)."""
+    seq: np.ndarray
+    op: np.ndarray        # codes of DoneLog.names
+    done: np.ndarray      # completed_at
+    first: np.ndarray     # first enter
+    last: np.ndarray      # last enter
+    appended: np.ndarray
+
+    @property
+    def duration(self) -> np.ndarray:
+        """Last enter to completion, s (at least 0): the time spent inside the collective."""
+        return np.maximum(0.0, self.done - self.last)
+
+    @property
+    def spread(self) -> np.ndarray:
+        """First to last enter, s."""
+        return self.last - self.first
+
+
+_EMPTY_I = np.zeros(0, dtype=np.int64)
+_EMPTY_F = np.zeros(0)
+
+
+class DoneLog:
+    __slots__ = ("names", "_codes", "_pending", "_made", "_seq", "_op", "_done", "_first", "_last", "_appended",
+                 "total")
+
+    def __init__(self) -> None:
+        self.names: List[str] = []
+        self._codes: Dict[str, int] = {}
+        self._pending: List[Tuple[int, int, int, float, float, float]] = []
+        self._made, self._seq, self._op, self._appended = _EMPTY_I, _EMPTY_I, _EMPTY_I, _EMPTY_I
+        self._done, self._first, self._last = _EMPTY_F, _EMPTY_F, _EMPTY_F
+        self.total = 0  # entries ever appended
+
+    def add(self, made: int, seq: int, op: str, done: float, first: float, last: float) -> None:
+        code = self._codes.get(op)
+        if code is None:
+            code = self._codes[op] = len(self.names)
+            self.names.append(op)
+        self._pending.append((made, seq, code, done, first, last))
+        self.total += 1
+
+    def window(self, gone: int) -> Done:
+        """The entries of collectives still held (made >= gone), newest made first."""
+        if self._pending:
+            p = self._pending
+            n0 = self.total - len(p)
+            cols = list(zip(*p))
+            self._made = np.concatenate([self._made, np.array(cols[0], dtype=np.int64)])
+            self._seq = np.concatenate([self._seq, np.array(cols[1], dtype=np.int64)])
+            self._op = np.concatenate([self._op, np.array(cols[2], dtype=np.int64)])
+            self._done = np.concatenate([self._done, np.array(cols[3], dtype=np.float64)])
+            self._first = np.concatenate([self._first, np.array(cols[4], dtype=np.float64)])
+            self._last = np.concatenate([self._last, np.array(cols[5], dtype=np.float64)])
+            self._appended = np.concatenate([self._appended, np.arange(n0, self.total, dtype=np.int64)])
+            self._pending = []
+        held = self._made >= gone
+        if len(held) > 64 and 2 * int(held.sum()) < len(held):  # mostly evicted: drop them for good
+            self._made, self._seq, self._op = self._made[held], self._seq[held], self._op[held]
+            self._done, self._first, self._last = self._done[held], self._first[held], self._last[held]
+            self._appended = self._appended[held]
+            held = np.ones(len(self._made), dtype=bool)
+        at = np.flatnonzero(held)
+        at = at[np.argsort(-self._made[at], kind="stable")]
+        return Done(self._seq[at], self._op[at], self._done[at], self._first[at], self._last[at], self._appended[at])
