@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 SETTLE_S = 1.0            # receive time a collective waits for every agent's ends (frames every 0.5 s)
 MAX_ENTRIES = 131_072     # (agent, collective) entries waiting, at most: 64 collectives of 2,048 agents
@@ -138,11 +138,31 @@ class JobClockRefiner:
 
     def observe_ends(self, agent: str, comm: str, seq: int, base_ns: List[int]) -> None:
         """observe_end for several ranks of one agent in one collective, times already in base Unix ns."""
-        first = base_ns[0]
-        self.observe_end(agent, comm, seq, first, converted=True)
-        got = self.groups.get((comm, seq))
-        if len(base_ns) > 1 and got is not None and agent in got[1]:
-            got[1][agent].extend(base_ns[1:])
+        self.observe_groups([(agent, comm, seq, base_ns)])
+
+    def observe_groups(self, groups: Iterable[Tuple[str, str, int, List[int]]]) -> None:
+        """observe_ends for each (agent, comm, seq, its ranks' ends in base Unix ns) in turn: a flush's
+        ends in one call (each agent's timebase is looked at once: it cannot change within one)."""
+        checked = set()
+        for agent, comm, seq, ends in groups:
+            if agent not in checked:
+                checked.add(agent)
+                src = self.source(agent)
+                if self.sources.get(agent) != src:
+                    self.sources[agent] = src
+                    self._forget(agent)
+            key = (comm, seq)
+            got = self.groups.get(key)
+            if got is None:
+                self._settle()
+                got = self.groups[key] = (self.now, {})
+            g = got[1]
+            have = g.get(agent)
+            if have is None:
+                g[agent] = list(ends)
+                self.entries += 1
+            else:
+                have.extend(ends)
 
     def _forget(self, agent: str) -> None:
         """`agent`'s base timebase changed (its first round-trip estimate, say): its residuals, and its

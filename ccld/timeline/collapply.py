@@ -394,9 +394,12 @@ def _refine(tl: Timeline, rows: _Batch, keep: np.ndarray) -> None:
     order = np.lexsort((seq, comm, agent))  # stable: a group's rows stay in the order they came
     a_, c_, s_ = agent[order], comm[order], seq[order]
     change = (a_[1:] != a_[:-1]) | (c_[1:] != c_[:-1]) | (s_[1:] != s_[:-1])
-    groups = np.split(at[order], np.flatnonzero(change) + 1)
-    base = rows.base
+    starts = np.concatenate([[0], np.flatnonzero(change) + 1])
+    rows_in = at[order]
+    first = rows_in[starts]  # each group's first row (the lowest: stable order)
+    bounds = np.concatenate([starts, [len(rows_in)]]).tolist()
+    ends = rows.base[rows_in].tolist()
     comm_ids = {code: c.id for code, c in rows.comms.items()}
-    for g in sorted(groups, key=lambda g: g[0]):  # by each collective's first end
-        i = int(g[0])
-        refiner.observe_ends(names[i], comm_ids[int(rows.comm[i])], int(rows.seq[i]), base[g].tolist())
+    row_comm, row_seq, first_l = rows.comm[first].tolist(), rows.seq[first].tolist(), first.tolist()
+    refiner.observe_groups([(names[first_l[g]], comm_ids[row_comm[g]], row_seq[g], ends[bounds[g]:bounds[g + 1]])
+                            for g in np.argsort(first).tolist()])  # collectives in the order their first end came
