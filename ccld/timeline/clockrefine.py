@@ -97,21 +97,7 @@ class JobClockRefiner:
         t = mono_ns if converted else self.base_ns(agent, mono_ns)
         if t is None:
             return
-        src = self.source(agent)
-        if self.sources.get(agent) != src:  # its base timebase changed: old residuals mean nothing now
-            self.sources[agent] = src
-            self._forget(agent)
-        key = (comm, seq)
-        got = self.groups.get(key)
-        if got is None:
-            self._settle()
-            got = self.groups[key] = (self.now, {})
-        g = got[1]
-        ends = g.get(agent)
-        if ends is None:
-            ends = g[agent] = []
-            self.entries += 1
-        ends.append(t)
+        self.observe_groups([(agent, comm, seq, [t])])
 
     def arrived(self, now: float) -> None:
         """The receive time (s, never decreasing) of the frame whose ends come next. Until it has
@@ -136,19 +122,15 @@ class JobClockRefiner:
             self.entries -= len(old)
             self._read(old)
 
-    def observe_ends(self, agent: str, comm: str, seq: int, base_ns: List[int]) -> None:
-        """observe_end for several ranks of one agent in one collective, times already in base Unix ns."""
-        self.observe_groups([(agent, comm, seq, base_ns)])
-
     def observe_groups(self, groups: Iterable[Tuple[str, str, int, List[int]]]) -> None:
-        """observe_ends for each (agent, comm, seq, its ranks' ends in base Unix ns) in turn: a flush's
+        """observe_end for each (agent, comm, seq, its ranks' ends in base Unix ns) in turn: a flush's
         ends in one call (each agent's timebase is looked at once: it cannot change within one)."""
         checked = set()
         for agent, comm, seq, ends in groups:
             if agent not in checked:
                 checked.add(agent)
                 src = self.source(agent)
-                if self.sources.get(agent) != src:
+                if self.sources.get(agent) != src:  # its base timebase changed: old residuals mean nothing now
                     self.sources[agent] = src
                     self._forget(agent)
             key = (comm, seq)
