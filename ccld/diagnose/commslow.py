@@ -113,19 +113,20 @@ def _baselines(d: Done, names: List[str], newest: Dict[int, np.ndarray]) -> Dict
     return out
 
 
-def _any_slow(log: DoneLog, d: Done, st: _CommState) -> bool:
+def _any_slow(log: DoneLog, st: _CommState) -> bool:
     """Whether a collective that completed since the last screen took SLOW_FACTOR x its op's
     baseline (or has an op without one): a cheap screen that spares most communicators the full test
-    on most ticks (each completion is screened once)."""
+    on most ticks (each completion is screened once, read from the log's newest entries alone)."""
     if st.log is not log:
         st.log, st.screened = log, 0
-    fresh = d.appended >= st.screened
+    ops, durs = log.fresh(st.screened)
     st.screened = log.total
-    if not fresh.any():
-        return False
-    base = np.array([st.base.get(name, (np.nan, 0))[0] for name in log.names])
-    b = base[d.op[fresh]]
-    return bool((np.isnan(b) | (d.duration[fresh] >= SLOW_FACTOR * b)).any())
+    names, base = log.names, st.base
+    for code, dur in zip(ops, durs):
+        b = base.get(names[code])
+        if b is None or dur >= SLOW_FACTOR * b[0]:
+            return True
+    return False
 
 
 def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, Done, float, str, float]]:
@@ -138,14 +139,14 @@ def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, Done, f
         return []
     st.completed_seen = comm.completed
     log = comm.done
-    d = log.window(comm.gone)
-    if st.base and not st.slow and comm.completed - st.base_at < st.every and not _any_slow(log, d, st):
+    if st.base and not st.slow and comm.completed - st.base_at < st.every and not _any_slow(log, st):
         return []  # what completed since the last tick ran at its baseline: nothing to judge this tick
+    d = log.window(comm.gone)
     newest = _newest(d, now)
     if comm.completed - st.base_at >= st.every or not st.base:
         st.base, st.base_at = _baselines(d, log.names, newest), comm.completed
         st.every = BASELINE_EVERY + zlib.crc32(comm.id.encode()) % BASELINE_EVERY
-        _any_slow(log, d, st)  # what this full look saw need not be screened again
+        _any_slow(log, st)  # what this full look saw need not be screened again
     out = []
     dur = d.duration
     for code, idx in newest.items():

@@ -62,6 +62,19 @@ class DoneLog:
         self._pending.append((made, seq, code, done, first, last))
         self.total += 1
 
+    def fresh(self, since: int) -> Tuple[List[int], List[float]]:
+        """(op codes, durations) of the entries appended at or after position `since` (Done.appended's
+        count), read without merging or sorting: a screen of what completed since the last look."""
+        p = self._pending
+        n_old = self.total - len(p)
+        ops = [x[2] for x in p[max(0, since - n_old):]]
+        durs = [max(0.0, x[3] - x[5]) for x in p[max(0, since - n_old):]]
+        if since < n_old:
+            at = int(np.searchsorted(self._appended, since))
+            ops = self._op[at:].tolist() + ops
+            durs = np.maximum(0.0, self._done[at:] - self._last[at:]).tolist() + durs
+        return ops, durs
+
     def window(self, gone: int) -> Done:
         """The entries of collectives still held (made >= gone), newest made first."""
         if self._pending:

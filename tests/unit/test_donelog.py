@@ -81,15 +81,16 @@ def test_screen_sees_each_completion_once():
     st = commslow._CommState(base={"allreduce": (0.001, 50)})
     for i in range(5):
         log.add(i, i, "allreduce", T0 + i + 0.0015, T0 + i, T0 + i + 0.0005)  # 1 ms: at its baseline
-    assert not commslow._any_slow(log, log.window(0), st)
+    assert not commslow._any_slow(log, st)
     log.add(5, 5, "allreduce", T0 + 5.01, T0 + 5, T0 + 5)  # 10 ms: slow
-    assert commslow._any_slow(log, log.window(0), st)
-    assert not commslow._any_slow(log, log.window(0), st)  # screened already
+    log.window(0)  # merged into the arrays: the screen reads them there
+    assert commslow._any_slow(log, st)
+    assert not commslow._any_slow(log, st)  # screened already
     log.add(6, 6, "barrier", T0 + 6.001, T0 + 6, T0 + 6)  # an op without a baseline: look
-    assert commslow._any_slow(log, log.window(0), st)
+    assert commslow._any_slow(log, st)
     other = DoneLog()  # a rebuilt group's log: screened from its start
     other.add(0, 1, "allreduce", T0 + 7.01, T0 + 7, T0 + 7)
-    assert commslow._any_slow(other, other.window(0), st)
+    assert commslow._any_slow(other, st)
 
 
 def test_log_holds_what_the_timeline_holds(monkeypatch):
@@ -119,6 +120,18 @@ def test_log_holds_what_the_timeline_holds(monkeypatch):
     job.feed(tl, t + 0.1)
     fresh = tl.comms[job.comm]
     assert fresh is not comm and fresh.done is not comm.done and fresh.done.total == 0
+
+
+def test_fresh_reads_pending_and_merged_entries_alike():
+    log = DoneLog()
+    for i in range(6):
+        log.add(i, i, "x" if i % 2 else "y", 10.0 + i, 0.0, 9.0 + i / 2)
+        if i == 3:
+            log.window(0)
+    ops, durs = log.fresh(2)
+    assert [log.names[c] for c in ops] == ["y", "x", "y", "x"]
+    assert durs == [10.0 + i - (9.0 + i / 2) for i in range(2, 6)]
+    assert log.fresh(6) == ([], [])
 
 
 def test_window_order_is_made_order_not_completion_order():
