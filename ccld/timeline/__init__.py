@@ -4,7 +4,8 @@
                     one or several frames, the questions; its records in records.py (RankRecord, Comm,
                     CollView); CommInit, p2p and rank events applied by comms.py one at a time
     colltable.py    every communicator's collectives as arrays (CollStore: cells, slots, entries),
-                    shown to the analyses one collective at a time by collview.py (CollView)
+                    shown to the analyses one collective at a time by collview.py (CollView); each
+                    communicator's completions also as arrays (donelog.py), read by the slowdown tests
     collrows.py     every enter, start and end (column block rows or single events) gathered as rows,
                     applied with array operations by collapply.py: one ingest path
     ingest.py       one frame: decode (counted by reason), then into a Timeline; a store into a fresh one
