@@ -46,7 +46,6 @@ EPISODE_GAP_S = RECENT_S   # a communicator's slowdown has ended once none of it
                            # links are judged against baselines cut where the slowdown began
 MAX_PAST_EPISODES = 8      # ended slowdowns whose seconds stay out of later baselines: a fault must not
                            # become normal by recurring; older ones have mostly left the link series
-MAX_SCREEN = 64           # collectives screened per communicator per tick (a burst is caught over ticks)
 
 
 @dataclass
@@ -116,9 +115,7 @@ def _baselines(d: Done, names: List[str], newest: Dict[int, np.ndarray]) -> Dict
 def _any_slow(log: DoneLog, st: _CommState) -> bool:
     """Whether a collective that completed since the last screen took SLOW_FACTOR x its op's
     baseline (or has an op without one): a cheap screen that spares most communicators the full test
-    on most ticks (each completion is screened once, read from the log's newest entries alone)."""
-    if st.log is not log:
-        st.log, st.screened = log, 0
+    on most ticks (what completed since the last look, read from the log's newest entries alone)."""
     ops, durs = log.fresh(st.screened)
     st.screened = log.total
     names, base = log.names, st.base
@@ -135,10 +132,13 @@ def _slow_ops(comm: Comm, now: float, st: _CommState) -> List[Tuple[str, Done, f
     Two shapes of slow: a crawl (every collective slower: the median of the last RECENT_N is
     SLOW_FACTOR x the baseline), and a heavy tail (most collectives fine, but enough of them stall
     on retransmission timeouts that the mean and the 90th percentile over RECENT_S are)."""
+    log = comm.done
+    if st.log is not log:  # first look, or the group was rebuilt (its ranks restarted): its counts start
+        # over; the old baselines hold until the new group has completed enough to make its own
+        st.log, st.screened, st.completed_seen, st.base_at = log, 0, -1, min(st.base_at, 0)
     if comm.completed == st.completed_seen and not st.slow:
         return []
     st.completed_seen = comm.completed
-    log = comm.done
     if st.base and not st.slow and comm.completed - st.base_at < st.every and not _any_slow(log, st):
         return []  # what completed since the last tick ran at its baseline: nothing to judge this tick
     d = log.window(comm.gone)

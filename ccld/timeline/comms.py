@@ -256,7 +256,7 @@ def done_at(comm: Comm, view: CollView, at: float, first: float, last: float) ->
     enter to the last end)."""
     view.completed_at = at
     comm.completed += 1
-    comm.done.add(view.made, view.seq, view.op, at, first, last)
+    comm.done.add(view.made, view.seq, view.op, at, first, last, comm.gone)
     spread, duration = last - first, max(0.0, at - last)
     if comm.first_done_at is None:
         comm.first_done_at = at

@@ -6,15 +6,21 @@ made (`made`: comm.colls is that order, and eviction takes the oldest made first
 still held are exactly those with made >= comm.gone), its seq, op (a code of this log's own table),
 completion time, and its first and last enter (Unix s). Entries stay in the order they completed;
 `window` gives those still held, ordered newest made first, as comm.colls reversed would.
-Appends go to a Python list (a completion costs a tuple), turned into arrays when next read.
-Bounds: entries of evicted collectives are dropped when read once they outnumber the held ones
-(at most ~2x the communicator's collective bound plus one read's appends).
+Appends go to a Python list (a completion costs a tuple), turned into arrays when next read, or
+after MAX_PENDING appends without a read (a store loaded for `ccld links`, which runs no detector).
+Bounds: entries of evicted collectives are dropped at a merge once they outnumber the held ones (at
+most ~2x the communicator's collective bound plus MAX_PENDING); at most MAX_OPS op names a log (more
+are logged as colltable.OVERFLOW_OP).
 """
 from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Tuple
 
 import numpy as np
+
+from ccld.timeline.colltable import MAX_OPS, OVERFLOW_OP
+
+MAX_PENDING = 4096  # completions appended between two reads, at most: then merged (and trimmed) by add
 
 
 class Done(NamedTuple):
@@ -54,17 +60,25 @@ class DoneLog:
         self._done, self._first, self._last = _EMPTY_F, _EMPTY_F, _EMPTY_F
         self.total = 0  # entries ever appended
 
-    def add(self, made: int, seq: int, op: str, done: float, first: float, last: float) -> None:
+    def add(self, made: int, seq: int, op: str, done: float, first: float, last: float, gone: int) -> None:
+        """One completion; `gone`: the communicator's evicted count now (Comm.gone), for the bound."""
         code = self._codes.get(op)
         if code is None:
-            code = self._codes[op] = len(self.names)
-            self.names.append(op)
+            if len(self.names) >= MAX_OPS:
+                op = OVERFLOW_OP
+            code = self._codes.get(op)
+            if code is None:
+                code = self._codes[op] = len(self.names)
+                self.names.append(op)
         self._pending.append((made, seq, code, done, first, last))
         self.total += 1
+        if len(self._pending) >= MAX_PENDING:  # nobody has read it for a while (a store loaded without ticks)
+            self._merge(gone)
 
     def fresh(self, since: int) -> Tuple[List[int], List[float]]:
-        """(op codes, durations) of the entries appended at or after position `since` (Done.appended's
-        count), read without merging or sorting: a screen of what completed since the last look."""
+        """(op codes, durations) of the entries still logged that were appended at or after position
+        `since` (Done.appended's count), read without merging or sorting: a screen of what completed
+        since the last look (entries of collectives evicted meanwhile may be gone)."""
         p = self._pending
         n_old = self.total - len(p)
         ops = [x[2] for x in p[max(0, since - n_old):]]
@@ -75,8 +89,9 @@ class DoneLog:
             durs = np.maximum(0.0, self._done[at:] - self._last[at:]).tolist() + durs
         return ops, durs
 
-    def window(self, gone: int) -> Done:
-        """The entries of collectives still held (made >= gone), newest made first."""
+    def _merge(self, gone: int) -> np.ndarray:
+        """The pending entries into the arrays; entries of evicted collectives (made < gone) dropped once
+        they are most of them. Returns which entries are held."""
         if self._pending:
             p = self._pending
             n0 = self.total - len(p)
@@ -95,6 +110,10 @@ class DoneLog:
             self._done, self._first, self._last = self._done[held], self._first[held], self._last[held]
             self._appended = self._appended[held]
             held = np.ones(len(self._made), dtype=bool)
-        at = np.flatnonzero(held)
+        return held
+
+    def window(self, gone: int) -> Done:
+        """The entries of collectives still held (made >= gone), newest made first."""
+        at = np.flatnonzero(self._merge(gone))
         at = at[np.argsort(-self._made[at], kind="stable")]
         return Done(self._seq[at], self._op[at], self._done[at], self._first[at], self._last[at], self._appended[at])

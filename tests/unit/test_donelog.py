@@ -10,7 +10,8 @@ import pytest
 from ccld import wire as ev
 from ccld.diagnose import commslow
 from ccld.timeline import comms
-from ccld.timeline.donelog import DoneLog
+from ccld.timeline.donelog import MAX_PENDING, DoneLog
+from ccld.timeline.records import Comm
 from ccld.timeline.timeline import Timeline
 
 from ccld_synth import T0, SynthJob
@@ -56,8 +57,8 @@ def random_log(rnd):
     rnd.shuffle(done)
     done.sort(key=lambda x: x[0] + rnd.randint(0, 5))  # roughly in order of making
     for x in done:
-        log.add(*x)
-    gone = rnd.randint(0, n // 3)
+        log.add(*x, gone=0)
+    gone = rnd.randint(0, n // 3 if rnd.random() < 0.7 else n)  # sometimes most are evicted: trimmed
     held = sorted((x for x in done if x[0] >= gone), key=lambda x: -x[0])
     return log, gone, [(x[1], x[2], x[3], x[4], x[5]) for x in held], t
 
@@ -80,17 +81,14 @@ def test_screen_sees_each_completion_once():
     log = DoneLog()
     st = commslow._CommState(base={"allreduce": (0.001, 50)})
     for i in range(5):
-        log.add(i, i, "allreduce", T0 + i + 0.0015, T0 + i, T0 + i + 0.0005)  # 1 ms: at its baseline
+        log.add(i, i, "allreduce", T0 + i + 0.0015, T0 + i, T0 + i + 0.0005, 0)  # 1 ms: at its baseline
     assert not commslow._any_slow(log, st)
-    log.add(5, 5, "allreduce", T0 + 5.01, T0 + 5, T0 + 5)  # 10 ms: slow
+    log.add(5, 5, "allreduce", T0 + 5.01, T0 + 5, T0 + 5, 0)  # 10 ms: slow
     log.window(0)  # merged into the arrays: the screen reads them there
     assert commslow._any_slow(log, st)
     assert not commslow._any_slow(log, st)  # screened already
-    log.add(6, 6, "barrier", T0 + 6.001, T0 + 6, T0 + 6)  # an op without a baseline: look
+    log.add(6, 6, "barrier", T0 + 6.001, T0 + 6, T0 + 6, 0)  # an op without a baseline: look
     assert commslow._any_slow(log, st)
-    other = DoneLog()  # a rebuilt group's log: screened from its start
-    other.add(0, 1, "allreduce", T0 + 7.01, T0 + 7, T0 + 7)
-    assert commslow._any_slow(other, st)
 
 
 def test_log_holds_what_the_timeline_holds(monkeypatch):
@@ -125,7 +123,7 @@ def test_log_holds_what_the_timeline_holds(monkeypatch):
 def test_fresh_reads_pending_and_merged_entries_alike():
     log = DoneLog()
     for i in range(6):
-        log.add(i, i, "x" if i % 2 else "y", 10.0 + i, 0.0, 9.0 + i / 2)
+        log.add(i, i, "x" if i % 2 else "y", 10.0 + i, 0.0, 9.0 + i / 2, 0)
         if i == 3:
             log.window(0)
     ops, durs = log.fresh(2)
@@ -134,11 +132,54 @@ def test_fresh_reads_pending_and_merged_entries_alike():
     assert log.fresh(6) == ([], [])
 
 
+def test_fresh_after_a_trim_reads_what_is_left_and_what_is_pending():
+    log = DoneLog()
+    for i in range(200):
+        log.add(i, i, "x", 10.0 + i, 0.0, 10.0, 0)
+    assert log.window(150).seq.tolist() == list(range(199, 149, -1))
+    assert len(log._made) == 50  # 150 of 200 evicted: dropped for good
+    for i in range(200, 210):
+        log.add(i, i, "x", 10.0 + i, 0.0, 10.0, 150)
+    assert log.fresh(120)[1] == [float(i) for i in range(150, 210)]
+    assert log.fresh(180)[1] == [float(i) for i in range(180, 210)]
+
+
+def test_a_log_nobody_reads_stays_bounded():
+    log = DoneLog()
+    for i in range(20_000):
+        log.add(i, i, f"op{i % 3}", 1.0, 0.0, 0.0, max(0, i - 100))
+    assert len(log._pending) < MAX_PENDING and len(log._made) <= 200 + MAX_PENDING
+    assert log.window(20_000 - 100).seq.tolist() == list(range(19_999, 19_899, -1))
+
+
+def test_a_rebuilt_group_is_screened_and_rebaselined_from_its_own_log():
+    st = commslow._CommState()
+    t = [T0]
+
+    def complete(comm, n, dur):
+        for _ in range(n):
+            comm.done.add(comm.made, comm.made + 1, "allreduce", t[0] + dur, t[0], t[0], comm.gone)
+            comm.made += 1
+            comm.completed += 1
+            t[0] += 0.1
+
+    old = Comm(id="job/gloo:0")
+    complete(old, 3000, 0.001)
+    commslow._slow_ops(old, t[0], st)
+    assert st.base["allreduce"][0] == pytest.approx(0.001, abs=1e-6)
+    new = Comm(id="job/gloo:0")  # its ranks restarted: seqs and counts start over
+    complete(new, 300, 0.002)
+    for _ in range(3):
+        commslow._slow_ops(new, t[0], st)
+    assert st.log is new.done and st.base["allreduce"][0] == pytest.approx(0.002, abs=1e-6)
+    assert len(old.done._pending) == 0 and len(new.done._pending) == 0  # both read
+
+
 def test_window_order_is_made_order_not_completion_order():
     log = DoneLog()
-    log.add(2, 12, "x", 3.0, 0.0, 0.0)
-    log.add(0, 10, "x", 5.0, 0.0, 0.0)
-    log.add(1, 11, "x", 4.0, 0.0, 0.0)
+    log.add(2, 12, "x", 3.0, 0.0, 0.0, 0)
+    log.add(0, 10, "x", 5.0, 0.0, 0.0, 0)
+    log.add(1, 11, "x", 4.0, 0.0, 0.0, 0)
     d = log.window(1)
     assert d.seq.tolist() == [12, 11] and d.appended.tolist() == [0, 2]
     assert np.allclose(d.duration, [3.0, 4.0])
