@@ -93,8 +93,8 @@ class JobClockRefiner:
         self.without_ref = 0    # multi-agent collectives in a row without the reference
         self.clamped: Dict[str, bool] = {}
 
-    def observe_end(self, agent: str, comm: str, seq: int, mono_ns: int, converted: bool = False) -> None:
-        t = mono_ns if converted else self.base_ns(agent, mono_ns)
+    def observe_end(self, agent: str, comm: str, seq: int, mono_ns: int) -> None:
+        t = self.base_ns(agent, mono_ns)
         if t is None:
             return
         self.observe_groups([(agent, comm, seq, [t])])

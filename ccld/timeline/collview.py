@@ -24,7 +24,7 @@ class CollView:
     __slots__ = ("comm", "seq", "op", "completed_at", "_failed", "_gpu_start", "_gpu_end", "_store", "_cols",
                  "_slot", "_cache", "_frozen", "made")
 
-    def __init__(self, comm: str, seq: int, op: str, store: CollStore, cols: CommCols, slot: int, made: int = 0):
+    def __init__(self, comm: str, seq: int, op: str, store: CollStore, cols: CommCols, slot: int, made: int):
         self.comm, self.seq, self.op, self.made = comm, seq, op, made  # made: Comm.made when it was made
         self.completed_at: Optional[float] = None
         self._failed: Optional[Dict[int, str]] = None

@@ -44,20 +44,20 @@ class Done(NamedTuple):
         return self.last - self.first
 
 
-_EMPTY_I = np.zeros(0, dtype=np.int64)
-_EMPTY_F = np.zeros(0)
+# an entry: its place in the making order, seq, op code, completion, first and last enter, and its
+# position in the order of completion (Done.appended)
+_ENTRY = np.dtype([("made", np.int64), ("seq", np.int64), ("op", np.int64), ("done", np.float64),
+                   ("first", np.float64), ("last", np.float64), ("appended", np.int64)])
 
 
 class DoneLog:
-    __slots__ = ("names", "_codes", "_pending", "_made", "_seq", "_op", "_done", "_first", "_last", "_appended",
-                 "total")
+    __slots__ = ("names", "_codes", "_pending", "_rows", "total")
 
     def __init__(self) -> None:
         self.names: List[str] = []
         self._codes: Dict[str, int] = {}
-        self._pending: List[Tuple[int, int, int, float, float, float]] = []
-        self._made, self._seq, self._op, self._appended = _EMPTY_I, _EMPTY_I, _EMPTY_I, _EMPTY_I
-        self._done, self._first, self._last = _EMPTY_F, _EMPTY_F, _EMPTY_F
+        self._pending: List[Tuple[int, int, int, float, float, float, int]] = []  # _ENTRY's fields
+        self._rows = np.zeros(0, dtype=_ENTRY)  # the entries merged, in the order of completion
         self.total = 0  # entries ever appended
 
     def add(self, made: int, seq: int, op: str, done: float, first: float, last: float, gone: int) -> None:
@@ -70,7 +70,7 @@ class DoneLog:
             if code is None:
                 code = self._codes[op] = len(self.names)
                 self.names.append(op)
-        self._pending.append((made, seq, code, done, first, last))
+        self._pending.append((made, seq, code, done, first, last, self.total))
         self.total += 1
         if len(self._pending) >= MAX_PENDING:  # nobody has read it for a while (a store loaded without ticks)
             self._merge(gone)
@@ -84,36 +84,26 @@ class DoneLog:
         ops = [x[2] for x in p[max(0, since - n_old):]]
         durs = [max(0.0, x[3] - x[5]) for x in p[max(0, since - n_old):]]
         if since < n_old:
-            at = int(np.searchsorted(self._appended, since))
-            ops = self._op[at:].tolist() + ops
-            durs = np.maximum(0.0, self._done[at:] - self._last[at:]).tolist() + durs
+            r = self._rows[int(np.searchsorted(self._rows["appended"], since)):]
+            ops = r["op"].tolist() + ops
+            durs = np.maximum(0.0, r["done"] - r["last"]).tolist() + durs
         return ops, durs
 
     def _merge(self, gone: int) -> np.ndarray:
         """The pending entries into the arrays; entries of evicted collectives (made < gone) dropped once
         they are most of them. Returns which entries are held."""
         if self._pending:
-            p = self._pending
-            n0 = self.total - len(p)
-            cols = list(zip(*p))
-            self._made = np.concatenate([self._made, np.array(cols[0], dtype=np.int64)])
-            self._seq = np.concatenate([self._seq, np.array(cols[1], dtype=np.int64)])
-            self._op = np.concatenate([self._op, np.array(cols[2], dtype=np.int64)])
-            self._done = np.concatenate([self._done, np.array(cols[3], dtype=np.float64)])
-            self._first = np.concatenate([self._first, np.array(cols[4], dtype=np.float64)])
-            self._last = np.concatenate([self._last, np.array(cols[5], dtype=np.float64)])
-            self._appended = np.concatenate([self._appended, np.arange(n0, self.total, dtype=np.int64)])
+            self._rows = np.concatenate([self._rows, np.array(self._pending, dtype=_ENTRY)])
             self._pending = []
-        held = self._made >= gone
+        held = self._rows["made"] >= gone
         if len(held) > 64 and 2 * int(held.sum()) < len(held):  # mostly evicted: drop them for good
-            self._made, self._seq, self._op = self._made[held], self._seq[held], self._op[held]
-            self._done, self._first, self._last = self._done[held], self._first[held], self._last[held]
-            self._appended = self._appended[held]
-            held = np.ones(len(self._made), dtype=bool)
+            self._rows = self._rows[held]
+            held = np.ones(len(self._rows), dtype=bool)
         return held
 
     def window(self, gone: int) -> Done:
         """The entries of collectives still held (made >= gone), newest made first."""
-        at = np.flatnonzero(self._merge(gone))
-        at = at[np.argsort(-self._made[at], kind="stable")]
-        return Done(self._seq[at], self._op[at], self._done[at], self._first[at], self._last[at], self._appended[at])
+        held = self._merge(gone)  # first: it replaces _rows
+        r = self._rows[held]
+        r = r[np.argsort(-r["made"], kind="stable")]
+        return Done(r["seq"], r["op"], r["done"], r["first"], r["last"], r["appended"])

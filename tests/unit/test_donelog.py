@@ -110,7 +110,7 @@ def test_log_holds_what_the_timeline_holds(monkeypatch):
         v = comm.colls[seq]
         n, lo, hi = v.enter_span()
         assert (done, first, last) == (v.completed_at, lo, hi)
-    assert len(comm.done._seq) <= 2 * 40 + 64  # evicted entries dropped
+    assert len(comm.done._rows) <= 2 * 40 + 64  # evicted entries dropped
     # the rank restarts and rebuilds the group: a new communicator, a new log
     job.pid[0] = 9999
     job._put(0, ev.CommInit(pid=9999, rank=0, ts_ns=job.ts(0, t), backend="gloo", comm=job.comm, group_rank=0,
@@ -137,7 +137,7 @@ def test_fresh_after_a_trim_reads_what_is_left_and_what_is_pending():
     for i in range(200):
         log.add(i, i, "x", 10.0 + i, 0.0, 10.0, 0)
     assert log.window(150).seq.tolist() == list(range(199, 149, -1))
-    assert len(log._made) == 50  # 150 of 200 evicted: dropped for good
+    assert len(log._rows) == 50  # 150 of 200 evicted: dropped for good
     for i in range(200, 210):
         log.add(i, i, "x", 10.0 + i, 0.0, 10.0, 150)
     assert log.fresh(120)[1] == [float(i) for i in range(150, 210)]
@@ -148,7 +148,7 @@ def test_a_log_nobody_reads_stays_bounded():
     log = DoneLog()
     for i in range(20_000):
         log.add(i, i, f"op{i % 3}", 1.0, 0.0, 0.0, max(0, i - 100))
-    assert len(log._pending) < MAX_PENDING and len(log._made) <= 200 + MAX_PENDING
+    assert len(log._pending) < MAX_PENDING and len(log._rows) <= 200 + MAX_PENDING
     assert log.window(20_000 - 100).seq.tolist() == list(range(19_999, 19_899, -1))
 
 
